@@ -1,0 +1,18 @@
+"""vgraph_compile: vision encoders with packed variable-length attention, run as CUDA graphs for any input.
+
+``torch.compile(encoder, backend="vgraph", dynamic=True, options={"token_budgets": [...]})``, or
+``vgraph_compile.encoder(...)``. The pipeline: dynamo trace -> ``passes`` (discover, bound, rewrite,
+specialize) -> one static inductor graph per token budget -> ``runtime`` (pad, replay, narrow).
+"""
+
+import logging
+
+from vgraph_compile.backend import VGraphBackend, runtimes, vgraph_backend
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import counters
+from vgraph_compile.decorator import encoder
+from vgraph_compile.ops import varlen_attention
+
+__all__ = ["VGraphBackend", "VGraphConfig", "counters", "encoder", "runtimes", "varlen_attention", "vgraph_backend"]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,0 +1,104 @@
+"""The ``"vgraph"`` torch.compile backend.
+
+``torch.compile(m, backend="vgraph", dynamic=True, options={...})`` finds ``vgraph_backend`` through the
+``torch_dynamo_backends`` entry point; ``VGraphBackend(config)`` is the same backend as an object that keeps the
+runtimes it built (``vgraph_compile.encoder`` uses it). The backend runs the analyses at trace time (so a bad
+encoder or budget fails at the first call, before any graph runs) and returns a ``VGraphRuntime``, which
+compiles and captures its buckets on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import counters
+from vgraph_compile.passes import pass_manager
+from vgraph_compile.passes.spec import PassContext
+from vgraph_compile.runtime.runner import VGraphRuntime
+
+__all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]
+
+log = logging.getLogger(__name__)
+
+_RUNTIMES: "weakref.WeakSet[VGraphRuntime]" = weakref.WeakSet()
+_static_warned = False
+
+
+def runtimes() -> list[VGraphRuntime]:
+    """Every live runtime the backend built in this process, oldest first."""
+    return sorted(_RUNTIMES, key=lambda runtime: runtime.serial)
+
+
+def _is_dynamic(example_inputs: list[Any]) -> bool:
+    return any(
+        isinstance(value, torch.SymInt)
+        or (isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape))
+        for value in example_inputs
+    )
+
+
+def _first_activation(example_inputs: list[Any]) -> torch.Tensor:
+    floating = [
+        value
+        for value in example_inputs
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_floating_point()
+    ]
+    tensors = floating or [value for value in example_inputs if isinstance(value, torch.Tensor)]
+    if not tensors:
+        raise ValueError("the traced encoder takes no tensor input: nothing for vgraph to bucket")
+    return tensors[0]
+
+
+class VGraphBackend:
+    """The vgraph backend with a fixed config; keeps the runtimes it built, in order."""
+
+    def __init__(self, config: VGraphConfig | None = None) -> None:
+        self.config = config or VGraphConfig()
+        self.runtimes: list[VGraphRuntime] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        global _static_warned
+        if not _is_dynamic(example_inputs):
+            counters.static_traces += 1
+            if not _static_warned:
+                _static_warned = True
+                log.warning(
+                    "vgraph got a trace with static shapes, which would serve one input size only; it runs "
+                    "eagerly until dynamo retraces with dynamic sizes. Pass dynamic=True to torch.compile (or "
+                    "use vgraph_compile.encoder) to compile the token buckets on the first call."
+                )
+            return gm.forward
+        counters.traces += 1
+        fake_mode = detect_fake_mode(example_inputs)
+        activation = _first_activation(example_inputs)
+        ctx = PassContext(
+            example_inputs=list(example_inputs),
+            shape_env=fake_mode.shape_env,
+            config=self.config,
+            device=activation.device,
+            dtype=activation.dtype,
+        )
+        pass_manager.analyze(gm, ctx)
+        runtime = VGraphRuntime(gm, ctx)
+        self.runtimes.append(runtime)
+        _RUNTIMES.add(runtime)
+        return runtime
+
+
+def vgraph_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: str | None = None
+) -> Callable[..., Any]:
+    """Entry point for ``torch.compile(backend="vgraph", options={...})``; options are ``VGraphConfig`` fields."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"vgraph takes no torch.compile mode (got {mode!r}): it always captures CUDA graphs on CUDA; "
+            "use options={'cudagraphs': False} to turn them off"
+        )
+    return VGraphBackend(VGraphConfig.from_options(options))(gm, example_inputs)

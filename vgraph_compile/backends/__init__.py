@@ -1,0 +1,72 @@
+"""Attention backends behind ``vgraph::varlen_attention``.
+
+Every backend computes the same function on packed ``[tokens, heads, head_dim]`` tensors: rows of segment ``i``
+(``cu_seqlens[i] <= row < cu_seqlens[i + 1]``) attend to the rows of the same segment only. Rows at or past
+``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
+never leaks. Backends must not synchronise with the host: they run inside captured CUDA graphs.
+
+Optional kernels are imported lazily, so a missing package is reported when that backend is chosen, not at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+AttentionBackendName = Literal["auto", "sdpa", "torch_varlen"]
+"""Names accepted by ``VGraphConfig.attention_backend`` and the op's ``backend`` argument."""
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One implementation of packed varlen attention."""
+
+    name: str
+    module: str
+    """Module under ``vgraph_compile.backends`` defining ``attention(q, k, v, cu_seqlens, max_seqlen, scale)``."""
+    supports: Callable[["torch.device", "torch.dtype"], bool]
+    """Whether the kernel can run on this device and dtype (checked before a graph is built)."""
+
+    def load(self) -> Callable[..., "torch.Tensor"]:
+        return importlib.import_module(f"{__name__}.{self.module}").attention
+
+
+def _cuda_half(device: "torch.device", dtype: "torch.dtype") -> bool:
+    import torch
+
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _torch_varlen_present()
+
+
+def _torch_varlen_present() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True),
+    "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
+}
+
+
+def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:
+    """The backend ``name`` stands for on ``device``/``dtype``; ``"auto"`` picks the fastest one that runs there.
+
+    ``auto`` is torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the SDPA block-diagonal reference.
+    """
+    if name == "auto":
+        return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} "
+            "(VGraphConfig.attention_backend)"
+        )
+    backend = BACKENDS[name]
+    if not backend.supports(device, dtype):
+        raise ValueError(
+            f"attention backend {name!r} cannot run on {device.type} with {dtype}: "
+            "torch_varlen needs CUDA, fp16/bf16 and torch>=2.10; use attention_backend='auto' or 'sdpa'"
+        )
+    return backend

@@ -1,0 +1,120 @@
+"""``VGraphConfig``: every knob of the vgraph backend, validated when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vgraph_compile.backends import BACKENDS
+
+__all__ = ["VGraphConfig", "generate_budgets"]
+
+DEFAULT_MIN_TOKENS = 1024
+DEFAULT_MAX_TOKENS = 16384
+DEFAULT_MAX_SEGMENTS = 64
+
+
+def generate_budgets(min_tokens: int, max_tokens: int) -> tuple[int, ...]:
+    """Powers of two times ``min_tokens`` up to ``max_tokens``, and ``max_tokens`` itself: (64, 800) -> 64..512, 800."""
+    budgets = []
+    budget = min_tokens
+    while budget < max_tokens:
+        budgets.append(budget)
+        budget *= 2
+    budgets.append(max_tokens)
+    return tuple(budgets)
+
+
+@dataclass(frozen=True)
+class VGraphConfig:
+    """How the vgraph backend buckets, bounds and compiles an encoder.
+
+    Pass it as ``torch.compile(m, backend="vgraph", options={...})`` (the same field names) or to
+    ``vgraph_compile.encoder(...)``.
+    """
+
+    token_budgets: tuple[int, ...] | None = None
+    """Token counts (rows of the attention's q) to compile one graph each for. None: generated from min/max."""
+    min_tokens: int | None = None
+    """Smallest generated budget (with ``token_budgets`` unset); default 1024."""
+    max_tokens: int | None = None
+    """Largest generated budget (with ``token_budgets`` unset); default 16384."""
+    max_segments: int | None = None
+    """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
+    attention_backend: Literal["auto", "sdpa", "torch_varlen"] = "auto"
+    """Kernel behind every varlen-attention site; auto: FlashAttention-2 for fp16/bf16 on CUDA, else SDPA."""
+    cudagraphs: bool | None = None
+    """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
+    compiler: Literal["inductor", "eager"] = "inductor"
+    """What runs each static bucket graph: inductor, or the FX graph as is (fast to build; for tests and debugging)."""
+    check_values: bool = True
+    """Check cu_seqlens values (start 0, non-decreasing, end at the token count) before a graph runs.
+    On CUDA this reads cu_seqlens back to the host once per call."""
+    budgets: tuple[int, ...] = field(init=False)
+    """The resolved, sorted token budgets."""
+    segments: int = field(init=False)
+    """The resolved max_segments."""
+
+    def __post_init__(self) -> None:
+        if self.token_budgets is not None:
+            if self.min_tokens is not None or self.max_tokens is not None:
+                raise ValueError(
+                    "VGraphConfig: give either token_budgets or min_tokens/max_tokens, not both "
+                    f"(got token_budgets={self.token_budgets}, min_tokens={self.min_tokens}, "
+                    f"max_tokens={self.max_tokens})"
+                )
+            budgets = tuple(self.token_budgets)
+            if not budgets:
+                raise ValueError("VGraphConfig.token_budgets is empty: give at least one token count, e.g. [4096]")
+            if any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in budgets):
+                raise ValueError(f"VGraphConfig.token_budgets must be positive integers, got {list(budgets)}")
+            if list(budgets) != sorted(set(budgets)):
+                raise ValueError(
+                    f"VGraphConfig.token_budgets must be strictly increasing, got {list(budgets)}: "
+                    f"use {sorted(set(budgets))}"
+                )
+            object.__setattr__(self, "token_budgets", budgets)
+        else:
+            low = DEFAULT_MIN_TOKENS if self.min_tokens is None else self.min_tokens
+            high = max(low, DEFAULT_MAX_TOKENS) if self.max_tokens is None else self.max_tokens
+            if low <= 0 or high <= 0:
+                raise ValueError(
+                    f"VGraphConfig: min_tokens={low} and max_tokens={high} must both be positive"
+                )
+            if low > high:
+                raise ValueError(f"VGraphConfig: min_tokens={low} > max_tokens={high}; swap them")
+            budgets = generate_budgets(low, high)
+        object.__setattr__(self, "budgets", budgets)
+
+        smallest = budgets[0]
+        segments = min(DEFAULT_MAX_SEGMENTS, smallest) if self.max_segments is None else self.max_segments
+        if segments <= 0:
+            raise ValueError(f"VGraphConfig.max_segments must be positive, got {segments}")
+        if segments > smallest:
+            raise ValueError(
+                f"VGraphConfig.max_segments ({segments}) must be <= the smallest token budget ({smallest}): "
+                "every bucket must hold a call with that many segments. Lower max_segments or raise the "
+                "smallest budget."
+            )
+        object.__setattr__(self, "segments", segments)
+
+        if self.attention_backend not in ("auto", *BACKENDS):
+            raise ValueError(
+                f"VGraphConfig.attention_backend={self.attention_backend!r} is unknown: "
+                f"choose one of {['auto', *BACKENDS]}"
+            )
+        if self.compiler not in ("inductor", "eager"):
+            raise ValueError(f"VGraphConfig.compiler={self.compiler!r} is unknown: choose 'inductor' or 'eager'")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> "VGraphConfig":
+        """Build from ``torch.compile(options=...)``; unknown keys raise with the list of valid ones."""
+        options = dict(options or {})
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"unknown vgraph option(s) {unknown}: valid options are {names}")
+        if isinstance(options.get("token_budgets"), list):
+            options["token_budgets"] = tuple(options["token_budgets"])
+        return cls(**options)

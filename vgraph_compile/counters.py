@@ -1,0 +1,50 @@
+"""Process-wide event counters of the vgraph backend, for tests and logs.
+
+``counters.expect(**deltas)`` checks, in a ``with`` block, that exactly those counters moved by exactly that much
+(counters not named must not move).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["Counters", "counters"]
+
+
+@dataclass
+class Counters:
+    traces: int = 0
+    """Dynamo graphs the backend received with a dynamic token dimension."""
+    static_traces: int = 0
+    """Dynamo graphs received with static shapes (run as traced, see the warning they log)."""
+    sites_found: int = 0
+    """Varlen-attention call sites discovered."""
+    nodes_rewritten: int = 0
+    """Graph nodes changed by rewrite passes (all buckets)."""
+    buckets_compiled: int = 0
+    """Static bucket graphs compiled."""
+    graphs_captured: int = 0
+    """CUDA graphs recorded (one per bucket when cudagraphs are on)."""
+    replays: int = 0
+    """Calls served by a bucket graph."""
+    eager_fallbacks: int = 0
+    """Calls that fit no bucket and ran the traced graph eagerly."""
+
+    def snapshot(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @contextlib.contextmanager
+    def expect(self, **deltas: int) -> Iterator[None]:
+        before = self.snapshot()
+        yield
+        after = self.snapshot()
+        moved = {name: after[name] - before[name] for name in after if after[name] != before[name]}
+        expected = {name: delta for name, delta in deltas.items() if delta}
+        if moved != expected:
+            raise AssertionError(f"counter changes {moved} != expected {expected}")
+
+
+counters = Counters()

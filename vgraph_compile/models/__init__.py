@@ -1,0 +1,1 @@
+"""Reference encoders used by the demo, the tests and the benchmarks."""

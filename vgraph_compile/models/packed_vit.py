@@ -1,0 +1,61 @@
+"""``PackedViT``: a small ViT over packed variable-length patch sequences, the shape of a VLM vision tower.
+
+``forward(patches [N, patch_dim], cu_seqlens int32 [S + 1], max_seqlen int) -> [N / merge, out_dim]``: a linear
+patch embedding, pre-norm blocks with ``vgraph_compile.varlen_attention`` (each image attends to itself only), a
+final norm and a merger that concatenates ``merge`` consecutive tokens (Qwen's 2x2 spatial merge when 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vgraph_compile.ops import varlen_attention
+
+__all__ = ["PackedViT", "pack_images"]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_ratio * dim)
+        self.fc2 = nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv(self.norm1(x)).view(tokens, 3, self.heads, -1).unbind(1)
+        attended = varlen_attention(q, k, v, cu_seqlens, max_seqlen)
+        x = x + self.proj(attended.reshape(tokens, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class PackedViT(nn.Module):
+    def __init__(
+        self, patch_dim: int = 48, dim: int = 64, depth: int = 2, heads: int = 4, out_dim: int = 64, merge: int = 1
+    ) -> None:
+        super().__init__()
+        self.merge = merge
+        self.embed = nn.Linear(patch_dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.merger = nn.Linear(merge * dim, out_dim)
+
+    def forward(self, patches: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        x = self.embed(patches)
+        for block in self.blocks:
+            x = block(x, cu_seqlens, max_seqlen)
+        x = self.norm(x)
+        return self.merger(x.reshape(-1, self.merge * x.shape[-1]))
+
+
+def pack_images(lengths: list[int], patch_dim: int, *, device=None, dtype=None, generator=None):
+    """Random packed patches for images of ``lengths`` patches: ``(patches, cu_seqlens, max_seqlen)``."""
+    patches = torch.randn(sum(lengths), patch_dim, generator=generator, dtype=dtype).to(device)
+    cu_seqlens = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    return patches, cu_seqlens, max(lengths)

@@ -1,0 +1,146 @@
+"""What the analyses learn about a traced encoder: input roles, varlen sites, attention groups, bucket shapes.
+
+All frozen and printable; passes read them, only ``discover_varlen`` and ``bounds`` produce them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import sympy
+    import torch
+
+    from vgraph_compile.config import VGraphConfig
+
+
+class Role(str, enum.Enum):
+    """What a graph input is, found from data flow; each role has one padding rule (``runtime/padding.py``)."""
+
+    TOKENS = "tokens"
+    """Tensor with token-sized dims: copied, the padded rows zeroed."""
+    SEGMENT_OFFSETS = "segment_offsets"
+    """cu_seqlens of one attention group: copied, padded by repeating the last offset (empty segments)."""
+    SEGMENT_LENGTHS = "segment_lengths"
+    """Per-segment lengths the graph turns into offsets (cumsum): padded with zeros (empty segments)."""
+    GATHER_INDEX = "gather_index"
+    """Integer index into a token-sized dim (e.g. a window permutation): padded with the identity, so padded
+    rows only ever gather padded rows."""
+    TABLE_INDEX = "table_index"
+    """Integer index into a fixed-size table (e.g. a position embedding): padded with 0, a valid entry."""
+    MAX_SEQLEN = "max_seqlen"
+    """Python int bounding a group's segment length: becomes the bucket's constant bound."""
+    SIZE = "size"
+    """Python int that is a traced size (dynamo lifts these): folded to the bucket's value."""
+    PARAMETER = "parameter"
+    """Module parameter or buffer: used in place by every bucket graph, never copied."""
+    STATIC = "static"
+    """Any other tensor with no symbolic size: copied as is."""
+
+
+@dataclass(frozen=True)
+class InputRole:
+    index: int
+    name: str
+    role: Role
+    dims: tuple[int, ...] = ()
+    """Dims whose size is symbolic (padded up to the bucket); for ints, empty."""
+    group: int | None = None
+    """Attention group of SEGMENT_OFFSETS / SEGMENT_LENGTHS / MAX_SEQLEN inputs."""
+
+    def format(self) -> str:
+        parts = [f"{self.name}: {self.role.value}"]
+        if self.dims:
+            parts.append(f"dims={list(self.dims)}")
+        if self.group is not None:
+            parts.append(f"group={self.group}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class VarlenSite:
+    """One varlen-attention call in the graph."""
+
+    node: str
+    op: str
+    group: int
+    rows: "sympy.Expr"
+    """Packed row count of its q (the token expression the budgets are counted in)."""
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sites sharing one cu_seqlens input (e.g. full attention vs window attention)."""
+
+    index: int
+    offsets_input: int
+    segments: "sympy.Expr"
+    """Segment count as an expression of the offsets input's length."""
+    max_seqlen_inputs: tuple[int, ...]
+    sites: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VarlenSpec:
+    """Result of ``discover_varlen``: how the encoder's inputs vary and what bounds them."""
+
+    inputs: tuple[InputRole, ...]
+    sites: tuple[VarlenSite, ...]
+    groups: tuple[AttentionGroup, ...]
+    token_rows: "sympy.Expr"
+    token_symbol: "sympy.Symbol"
+    bindings: tuple[tuple["sympy.Symbol", int, int | None], ...]
+    """(symbol, input index, dim or None for an int input): where each free symbol's value is read per call."""
+    input_shapes: tuple[tuple["sympy.Expr | int", ...] | None, ...]
+    """Per input, its shape with replacements applied (None for ints)."""
+    outputs: tuple[tuple["sympy.Expr | int", ...] | "sympy.Expr | None", ...]
+    """Per output, its shape (tensors), its value expression (ints), or None (other constants)."""
+
+    def role_of(self, index: int) -> InputRole:
+        return self.inputs[index]
+
+    def format(self) -> str:
+        lines = [f"tokens: {self.token_rows} (symbol {self.token_symbol})"]
+        for group in self.groups:
+            offsets = self.inputs[group.offsets_input].name
+            lines.append(
+                f"group {group.index}: offsets={offsets} segments={group.segments} sites={list(group.sites)}"
+            )
+        lines += [f"input {role.format()}" for role in self.inputs if role.role is not Role.PARAMETER]
+        state = sum(role.role is Role.PARAMETER for role in self.inputs)
+        lines.append(f"inputs: {state} parameters and module state (used in place)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class BucketShape:
+    """Static size of every symbol for one token budget (result of ``bounds``)."""
+
+    budget: int
+    values: Mapping["sympy.Symbol", int]
+    segments: tuple[int, ...]
+    """Segment capacity per attention group."""
+    max_seqlen: tuple[int, ...]
+    """Constant max_seqlen per attention group."""
+
+    def format(self) -> str:
+        values = " ".join(f"{symbol}={value}" for symbol, value in sorted(self.values.items(), key=str))
+        return f"budget {self.budget}: segments={list(self.segments)} max_seqlen={list(self.max_seqlen)} ({values})"
+
+
+@dataclass
+class PassContext:
+    """What every pass may read: the trace, its ShapeEnv, the config; analyses fill ``spec`` and ``buckets``."""
+
+    example_inputs: list[Any]
+    shape_env: Any
+    config: "VGraphConfig"
+    device: "torch.device"
+    dtype: "torch.dtype"
+    spec: VarlenSpec | None = None
+    buckets: tuple[BucketShape, ...] = ()
+    bucket: BucketShape | None = None
+    """The bucket a per-bucket rewrite is specializing for."""
+    stats: dict[str, int] = field(default_factory=dict)
