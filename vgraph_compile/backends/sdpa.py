@@ -2,7 +2,8 @@
 
 Work and mask memory are quadratic in the packed length, so it is meant for correctness and for small inputs.
 Rows past ``cu_seqlens[-1]`` form one extra block of their own, so no row is fully masked (a fully masked row
-would be NaN, and NaN times a zero attention weight still poisons the real rows).
+is NaN), and their keys and values are zeroed first: a masked key still enters the matmul, and NaN times a zero
+attention weight is NaN, so garbage in padded rows would otherwise poison real rows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def attention(
 ) -> torch.Tensor:
     ids = segment_ids(cu_seqlens, q.shape[0])
     mask = ids[:, None] == ids[None, :]
+    padded = (ids == cu_seqlens.shape[0] - 1)[:, None, None]
+    k, v = k.masked_fill(padded, 0), v.masked_fill(padded, 0)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )

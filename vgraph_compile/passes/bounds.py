@@ -6,7 +6,9 @@ Symbols covered:
 - the token symbol: solved from ``token_rows == budget``;
 - each attention group's segment symbol: solved from ``segments == min(max_segments, budget)``;
 - MAX_SEQLEN inputs: the group's bound, ``budget`` (a segment can hold every token);
-- any other symbol: refused, since no budget bounds it (a bound is never assumed).
+- a GATHER_INDEX length: the bucket size of the dim it indexes (a permutation is that long, padded by identity);
+- any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens): fixed at its traced
+  value, never bounded by a guess; a call with another value fits no bucket and runs eagerly.
 Every guard dynamo recorded in the ShapeEnv must hold at the bucket's sizes, or the budget is refused with the
 guard that failed (e.g. a reshape needing a multiple of 4). ``bound_sympy`` gives each output dim's range.
 """
@@ -59,23 +61,23 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
             (symbol,) = [binding[0] for binding in spec.bindings if binding[1] == index]
             values[symbol] = budget
 
+    for role in spec.inputs:
+        if role.indexed is not None:
+            length = spec.input_shapes[role.index][0]
+            capacity = int(role.indexed.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+            solved = solve_for(length, capacity, f"length of gather index {role.name}")
+            if solved is not None:
+                values.setdefault(*solved)
+
     symbols = set()
     for shape in spec.input_shapes:
         for size in shape or ():
             symbols |= size.free_symbols
     symbols |= {binding[0] for binding in spec.bindings}
-    unbounded = sorted(symbols - set(values), key=str)
-    if unbounded:
-        where = [
-            f"{spec.inputs[index].name}" + (f".shape[{dim}]" if dim is not None else "")
-            for symbol, index, dim in spec.bindings
-            if symbol in unbounded
-        ]
-        raise ValueError(
-            f"no budget bounds the dynamic size(s) {[str(s) for s in unbounded]} (at {where}): make them "
-            "follow the token count (derive them from the token rows inside the encoder), pass them as "
-            "segment offsets, or keep them static"
-        )
+    fixed = frozenset(symbols - set(values))
+    hints = getattr(ctx.shape_env, "backed_var_to_val", None) or ctx.shape_env.var_to_val
+    for symbol in fixed:
+        values[symbol] = int(hints[symbol])
     substitution = {symbol: sympy.Integer(value) for symbol, value in values.items()}
     for guard in ctx.shape_env.guards:
         expr = sympy.sympify(ctx.shape_env.replace(guard.expr))
@@ -86,7 +88,7 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
                 f"budget {budget} breaks the traced constraint {guard.expr} (with {values}): the encoder "
                 "cannot run at that size; pick budgets that satisfy it (e.g. multiples of the merge size)"
             )
-    return BucketShape(budget, values, tuple(segments), tuple(max_seqlen))
+    return BucketShape(budget, values, tuple(segments), tuple(max_seqlen), fixed)
 
 
 def output_ranges(ctx: PassContext, bucket: BucketShape) -> list[list[ValueRanges]]:

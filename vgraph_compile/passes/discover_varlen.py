@@ -9,7 +9,8 @@ Cases handled:
    attention group. A path through ``cumsum`` means the input holds lengths, otherwise offsets.
 3. A site's max_seqlen, when symbolic, marks the int inputs it comes from as that group's MAX_SEQLEN.
 4. Integer inputs reaching an index argument are GATHER_INDEX when the indexed dim is symbolic, else TABLE_INDEX.
-5. Tensors with a symbolic dim are TOKENS; module state is PARAMETER; other tensors STATIC; other ints SIZE.
+5. Budgets count the packed rows of the first site (the token expression); other sites may attend over rows
+   that other roles bound (e.g. a window permutation). Tensors with a symbolic dim are TOKENS; module state is PARAMETER; other tensors STATIC; other ints SIZE.
 6. Refused with a ValueError: no site, a data-dependent value (``.item()``/``.tolist()`` would sync the host
    inside a graph), cu_seqlens not int32 or not traceable to one input, a symbol no budget bounds.
 """
@@ -115,7 +116,7 @@ def _source_input(start: torch.fx.Node, placeholders: dict[torch.fx.Node, int], 
 
 
 def _index_uses(gm: torch.fx.GraphModule):
-    """(index node, indexed dim is symbolic) for every tensor used as an index."""
+    """(index node, size of the indexed dim) for every tensor used as an index."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -125,12 +126,12 @@ def _index_uses(gm: torch.fx.GraphModule):
             table = example_value(node.args[0])
             for dim, index in enumerate(indices):
                 if isinstance(index, torch.fx.Node) and isinstance(example_value(index), torch.Tensor):
-                    yield index, not isinstance(table.shape[dim], int)
+                    yield index, table.shape[dim]
         elif name == "index_select":
             table, dim, index = example_value(node.args[0]), node.args[1], node.args[2]
-            yield index, not isinstance(table.shape[dim], int)
+            yield index, table.shape[dim]
         elif name == "embedding":
-            yield node.args[0], False
+            yield node.args[0], example_value(node.args[1]).shape[0]
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -202,12 +203,6 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             "attention through vgraph_compile.varlen_attention(q, k, v, cu_seqlens, max_seqlen)"
         )
     token_rows = sites[0].rows
-    for site in sites[1:]:
-        if site.rows != token_rows:
-            raise ValueError(
-                f"varlen sites {sites[0].node} and {site.node} attend over {token_rows} and {site.rows} rows: "
-                "vgraph buckets one packed token count; keep every attention over the same packed rows"
-            )
     token_free = sorted(token_rows.free_symbols, key=str)
     if len(token_free) != 1:
         raise ValueError(
@@ -233,20 +228,21 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             AttentionGroup(group["index"], offsets_index, segments, tuple(sorted(group["max"])), tuple(group["sites"]))
         )
 
-    for index_node, symbolic_dim in _index_uses(gm):
+    for index_node, indexed_size in _index_uses(gm):
+        indexed = simplify(indexed_size)
         sources, _ = _source_input(index_node, placeholders, parameters)
         for source in sources:
             index = placeholders[source]
             if index in roles or example_value(source).dtype.is_floating_point:
                 continue
-            role = Role.GATHER_INDEX if symbolic_dim else Role.TABLE_INDEX
+            role = Role.GATHER_INDEX if indexed.free_symbols else Role.TABLE_INDEX
             dims = tuple(d for d, size in enumerate(example_value(source).shape) if not isinstance(size, int))
             if role is Role.GATHER_INDEX and example_value(source).dim() != 1:
                 raise ValueError(
                     f"gather index {source.name!r} has shape {tuple(example_value(source).shape)}: "
                     "vgraph pads 1-D permutation indices only; flatten it before indexing"
                 )
-            roles[index] = InputRole(index, source.name, role, dims)
+            roles[index] = InputRole(index, source.name, role, dims, indexed=indexed if dims else None)
 
     input_shapes = []
     bindings: dict[sympy.Symbol, tuple[sympy.Symbol, int, int | None]] = {}

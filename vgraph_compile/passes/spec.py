@@ -49,6 +49,8 @@ class InputRole:
     """Dims whose size is symbolic (padded up to the bucket); for ints, empty."""
     group: int | None = None
     """Attention group of SEGMENT_OFFSETS / SEGMENT_LENGTHS / MAX_SEQLEN inputs."""
+    indexed: "sympy.Expr | None" = None
+    """For GATHER_INDEX: size of the dim it indexes, which bounds its length."""
 
     def format(self) -> str:
         parts = [f"{self.name}: {self.role.value}"]
@@ -124,9 +126,14 @@ class BucketShape:
     """Segment capacity per attention group."""
     max_seqlen: tuple[int, ...]
     """Constant max_seqlen per attention group."""
+    fixed: frozenset["sympy.Symbol"] = frozenset()
+    """Symbols no budget bounds, fixed at their traced value: a call must match them exactly."""
 
     def format(self) -> str:
-        values = " ".join(f"{symbol}={value}" for symbol, value in sorted(self.values.items(), key=str))
+        values = " ".join(
+            f"{symbol}{'==' if symbol in self.fixed else '<='}{value}"
+            for symbol, value in sorted(self.values.items(), key=str)
+        )
         return f"budget {self.budget}: segments={list(self.segments)} max_seqlen={list(self.max_seqlen)} ({values})"
 
 

@@ -20,6 +20,8 @@ import logging
 import sympy
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from vgraph_compile.passes.fx_utils import example_value
 from vgraph_compile.passes.spec import PassContext, Role
@@ -41,6 +43,15 @@ def _fold(expr: sympy.Expr, ctx: PassContext, kind: type) -> int | float | bool:
     if not value.is_number and value not in (sympy.true, sympy.false):
         raise ValueError(f"cannot fold {expr} to a constant for budget {ctx.bucket.budget}: left {value}")
     return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[kind](value)
+
+
+def _refresh_shapes(gm: torch.fx.GraphModule) -> None:
+    """Replace the trace's symbolic fake values with the static ones of this bucket."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        FakeTensorProp(gm, mode).propagate()
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta.pop("val")
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -78,5 +89,6 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             graph.erase_node(node)
             folded += 1
     graph.eliminate_dead_code()
+    _refresh_shapes(gm)
     log.debug("budget %d: static graph, %d symbolic nodes folded", ctx.bucket.budget, folded)
     return gm

@@ -146,14 +146,18 @@ class VGraphRuntime:
 
     def _choose(self, sizes: dict[sympy.Symbol, int]) -> _Bucket | None:
         for bucket in self.buckets:
-            if all(sizes.get(symbol, 0) <= value for symbol, value in bucket.shape.values.items()):
+            shape = bucket.shape
+            if all(
+                sizes.get(symbol, value) == value if symbol in shape.fixed else sizes.get(symbol, 0) <= value
+                for symbol, value in shape.values.items()
+            ):
                 return bucket
         return None
 
-    def _miss(self, reason: str, args: Sequence[Any]) -> Any:
+    def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
         if miss.count == 0:
-            log.warning("%s: %s; running it eagerly (logged once per reason)", self.name, reason)
+            log.warning("%s: %s%s; running it eagerly (logged once per reason)", self.name, reason, detail)
         miss.count += 1
         counters.eager_fallbacks += 1
         return self.eager(*args)
@@ -182,7 +186,13 @@ class VGraphRuntime:
         self.warmup()
         bucket = self._choose(sizes)
         if bucket is None:
-            return self._miss(f"sizes {self._describe(sizes)} exceed the largest bucket", args)
+            largest = self.buckets[-1].shape
+            over = sorted(
+                f"{symbol} != {value}" if symbol in largest.fixed else f"{symbol} > {value}"
+                for symbol, value in largest.values.items()
+                if (sizes.get(symbol, value) != value if symbol in largest.fixed else sizes.get(symbol, 0) > value)
+            )
+            return self._miss(f"no bucket holds {', '.join(over)}", args, f" ({self._describe(sizes)})")
         for role in self._copied:
             if role.index in bucket.buffers:
                 padding.fill(role.role, bucket.buffers[role.index], args[role.index])

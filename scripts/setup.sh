@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv (seeing any torch already installed system-wide), add torch 2.13.0 only when none is importable,
+# and install vgraph_compile with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv --system-site-packages .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[test]"

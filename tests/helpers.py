@@ -1,0 +1,51 @@
+"""Shared test helpers: tracing an encoder the way the backend sees it, graph snapshots, references."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._dynamo.testing import normalize_gm
+from torch._guards import detect_fake_mode
+
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.decorator import trace_options
+from vgraph_compile.passes.spec import PassContext
+
+
+def trace(model, *args, config: VGraphConfig | None = None) -> tuple[torch.fx.GraphModule, PassContext]:
+    """The dynamo graph and a fresh ``PassContext`` for ``model(*args)``, as the vgraph backend receives them."""
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["gm"], captured["inputs"] = gm, list(example_inputs)
+        captured["shape_env"] = detect_fake_mode(example_inputs).shape_env
+        return gm.forward
+
+    torch._dynamo.reset()
+    with trace_options():
+        torch.compile(model, backend=capture, dynamic=True, fullgraph=True)(*args)
+    gm, inputs = captured["gm"], captured["inputs"]
+    tensor = next(value for value in inputs if isinstance(value, torch.Tensor) and value.is_floating_point())
+    ctx = PassContext(inputs, captured["shape_env"], config or VGraphConfig(token_budgets=(64, 256)),
+                      tensor.device, tensor.dtype)
+    return gm, ctx
+
+
+def graph_str(gm: torch.fx.GraphModule) -> str:
+    """``print_readable`` without comments or file paths, for inline snapshots."""
+    return normalize_gm(gm.print_readable(print_output=False))
+
+
+def op_count(gm: torch.fx.GraphModule, target) -> int:
+    return sum(1 for node in gm.graph.nodes if node.target is target)
+
+
+def segment_reference(q, k, v, cu_seqlens, scale=None) -> torch.Tensor:
+    """Per-segment attention in float64, rows past the last offset zero: the ground truth for every backend."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            qs, ks, vs = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
+            out[start:end] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+    return out

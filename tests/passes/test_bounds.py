@@ -1,0 +1,51 @@
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+from tests.helpers import trace
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.passes import bounds, discover_varlen
+
+
+def _bounds(gm, ctx):
+    discover_varlen.run(gm, ctx)
+    bounds.run(gm, ctx)
+    return "\n".join(bucket.format() for bucket in ctx.buckets)
+
+
+def test_bucket_sizes(tiny):
+    """Tokens solve to the budget, segments to max_segments (+1 offsets), max_seqlen to the budget."""
+    _, gm, ctx = tiny
+    assert_expected_inline(_bounds(gm, ctx), """\
+budget 16: segments=[4] max_seqlen=[16] (s40<=5 s7<=16 s84<=16)
+budget 64: segments=[4] max_seqlen=[64] (s40<=5 s7<=64 s84<=64)""")
+
+
+def test_output_ranges_from_bound_sympy(tiny):
+    _, gm, ctx = tiny
+    _bounds(gm, ctx)
+    ((rows, width),) = bounds.output_ranges(ctx, ctx.buckets[1])
+    assert (rows.lower, rows.upper, width.lower, width.upper) == (1, 64, 8, 8)
+
+
+def test_budget_breaking_a_traced_guard_is_refused():
+    """A 2x2 merge needs token counts divisible by 4: budget 18 cannot run and says which constraint fails."""
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8, merge=4).eval()
+    gm, ctx = trace(model, *pack_images([8, 12], 12), config=VGraphConfig(token_budgets=(16, 18)))
+    with pytest.raises(ValueError, match="budget 18 breaks the traced constraint"):
+        _bounds(gm, ctx)
+
+
+def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
+    """A feature dim that dynamic=True left symbolic is pinned (==), not bounded by a guess."""
+
+    def encoder(x, cu, max_seqlen):
+        q = x.view(x.shape[0], 1, x.shape[1])
+        from vgraph_compile.ops import varlen_attention
+
+        return varlen_attention(q, q, q, cu, max_seqlen)
+
+    gm, ctx = trace(encoder, torch.randn(10, 6), torch.tensor([0, 4, 10], dtype=torch.int32), 6,
+                    config=VGraphConfig(token_budgets=(16,), max_segments=2))
+    assert_expected_inline(_bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)""")

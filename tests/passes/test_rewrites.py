@@ -1,0 +1,107 @@
+"""``pad_varlen`` and ``specialize`` on the one-block PackedViT: graphs before/after, op counts, numerics."""
+
+import copy
+import dataclasses
+
+import torch
+from expecttest import assert_expected_inline
+
+from tests.helpers import graph_str, op_count
+from vgraph_compile.models.packed_vit import pack_images
+from vgraph_compile.ops import VARLEN_ATTENTION
+from vgraph_compile.passes import pad_varlen, pass_manager, specialize
+from vgraph_compile.passes.spec import Role
+from vgraph_compile.runtime import padding
+
+
+def _site(gm):
+    return next(node for node in gm.graph.nodes if node.target is VARLEN_ATTENTION)
+
+
+def test_pad_varlen_bakes_the_bound_and_the_backend(tiny):
+    """max_seqlen becomes the bucket constant and backend the configured kernel; nothing else changes."""
+    _, gm, ctx = tiny
+    pass_manager.analyze(gm, ctx)
+    assert str(_site(gm).args[3:]) == "(l_cu_seqlens_, l_max_seqlen_, None, 'auto')"
+    rewritten = pass_manager.apply_pass(
+        "pad_varlen", pad_varlen.run, copy.deepcopy(gm), dataclasses.replace(ctx, bucket=ctx.buckets[1])
+    )
+    assert_expected_inline(str(_site(rewritten).format_node()), """%attended : [num_users=1] = call_function[target=torch.ops.vgraph.varlen_attention](args = (%q, %k, %v, %l_cu_seqlens_, 64, None, sdpa), kwargs = {})""")
+    assert op_count(rewritten, VARLEN_ATTENTION) == op_count(gm, VARLEN_ATTENTION) == 1
+    assert len(list(rewritten.graph.nodes)) == len(list(gm.graph.nodes))
+
+
+def test_specialize_leaves_a_static_graph_with_no_inputs(tiny):
+    """Parameters become get_attr of the same tensors, inputs persistent buffers, sizes constants."""
+    model, gm, ctx = tiny
+    pass_manager.analyze(gm, ctx)
+    static = pass_manager.build_bucket_graph(gm, ctx, ctx.buckets[0])
+    assert not list(static.graph.find_nodes(op="placeholder"))
+    assert static.state_0 is model.embed.weight
+    assert_expected_inline(graph_str(static), """\
+class GraphModule(torch.nn.Module):
+    def forward(self):
+        state_0: "f32[16, 12]" = self.state_0
+        state_1: "f32[16]" = self.state_1
+        input_3: "f32[16, 12]" = self.input_3
+
+        state_4: "f32[16]" = self.state_4
+        state_5: "f32[16]" = self.state_5
+        state_7: "f32[48, 16]" = self.state_7
+        state_8: "f32[48]" = self.state_8
+
+        input_10: "i32[5]" = self.input_10
+
+        state_12: "f32[16, 16]" = self.state_12
+        state_13: "f32[16]" = self.state_13
+
+        state_14: "f32[16]" = self.state_14
+        state_15: "f32[16]" = self.state_15
+        state_17: "f32[64, 16]" = self.state_17
+        state_18: "f32[64]" = self.state_18
+        state_19: "f32[16, 64]" = self.state_19
+        state_20: "f32[16]" = self.state_20
+
+        state_21: "f32[16]" = self.state_21
+        state_22: "f32[16]" = self.state_22
+
+        state_24: "f32[8, 16]" = self.state_24
+        state_25: "f32[8]" = self.state_25
+
+        x: "f32[16, 16]" = torch._C._nn.linear(input_3, state_0, state_1);  input_3 = state_0 = state_1 = None
+
+        layer_norm: "f32[16, 16]" = torch.nn.functional.layer_norm(x, (16,), state_4, state_5, 1e-05);  state_4 = state_5 = None
+        linear_1: "f32[16, 48]" = torch._C._nn.linear(layer_norm, state_7, state_8);  layer_norm = state_7 = state_8 = None
+        view: "f32[16, 3, 2, 8]" = linear_1.view(16, 3, 2, -1);  linear_1 = None
+        unbind = view.unbind(1);  view = None
+        q: "f32[16, 2, 8]" = unbind[0]
+        k: "f32[16, 2, 8]" = unbind[1]
+        v: "f32[16, 2, 8]" = unbind[2];  unbind = None
+
+        attended: "f32[16, 2, 8]" = torch.ops.vgraph.varlen_attention(q, k, v, input_10, 16, None, 'sdpa');  q = k = v = input_10 = None
+
+        reshape: "f32[16, 16]" = attended.reshape(16, -1);  attended = None
+        linear_2: "f32[16, 16]" = torch._C._nn.linear(reshape, state_12, state_13);  reshape = state_12 = state_13 = None
+        x_1: "f32[16, 16]" = x + linear_2;  x = linear_2 = None
+
+        layer_norm_1: "f32[16, 16]" = torch.nn.functional.layer_norm(x_1, (16,), state_14, state_15, 1e-05);  state_14 = state_15 = None
+        linear_3: "f32[16, 64]" = torch._C._nn.linear(layer_norm_1, state_17, state_18);  layer_norm_1 = state_17 = state_18 = None
+        gelu: "f32[16, 64]" = torch._C._nn.gelu(linear_3);  linear_3 = None
+        linear_4: "f32[16, 16]" = torch._C._nn.linear(gelu, state_19, state_20);  gelu = state_19 = state_20 = None
+        x_2: "f32[16, 16]" = x_1 + linear_4;  x_1 = linear_4 = None
+
+        x_3: "f32[16, 16]" = torch.nn.functional.layer_norm(x_2, (16,), state_21, state_22, 1e-05);  x_2 = state_21 = state_22 = None
+
+        reshape_1: "f32[16, 16]" = x_3.reshape(-1, 16);  x_3 = None
+        linear_5: "f32[16, 8]" = torch._C._nn.linear(reshape_1, state_24, state_25);  reshape_1 = state_24 = state_25 = None
+        return (linear_5,)
+""")
+
+    patches, cu, max_seqlen = pack_images([5, 7], 12)
+    for role in ctx.spec.inputs:
+        if role.role in padding.RULES:
+            buffer = getattr(static, specialize.buffer_name(role.index))
+            padding.fill(role.role, buffer, (patches, cu)[role.role is Role.SEGMENT_OFFSETS])
+    with torch.no_grad():
+        (out,) = static()
+        torch.testing.assert_close(out[:12], model(patches, cu, max_seqlen), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,114 @@
+"""The runtime end to end on CPU: compiled buckets against the eager encoder, bucket choice, fallbacks, checks."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import vgraph_compile
+from vgraph_compile.counters import counters
+from vgraph_compile.models.packed_vit import PackedViT, pack_images
+
+BUDGETS = (16, 64, 128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return PackedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    """Static bucket graphs run as FX graphs (compiler='eager'): fast to build, same passes and runtime."""
+    return vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager",
+                                  attention_backend="sdpa")
+
+
+segments = st.lists(st.integers(1, 48), min_size=1, max_size=6).filter(lambda lengths: sum(lengths) <= 200)
+
+
+@given(lengths=segments)
+def test_matches_eager_on_generated_shapes(model, compiled, lengths):
+    """Every real row equals eager (same SDPA kernel) within fp32 round-off, in or over budget."""
+    inputs = pack_images(lengths, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "lengths, bucket",
+    [
+        ([1, 1, 1], 16),           # 1-token segments
+        ([16], 16),                # one segment filling a budget exactly
+        ([60, 4], 64),             # a call exactly at a budget
+        ([17], 64),                # one token over a budget: the next one
+        ([1] * 6, 16),             # as many segments as max_segments
+        ([1] * 7, None),           # more segments than any bucket holds: eager
+        ([129], None),             # over the largest budget: eager
+    ],
+)
+def test_bucket_choice_and_fallback(model, compiled, lengths, bucket):
+    runtime = compiled.vgraph.runtimes[0] if compiled.vgraph.runtimes else None
+    inputs = pack_images(lengths, 12)
+    with torch.no_grad(), counters.expect(replays=int(bucket is not None), eager_fallbacks=int(bucket is None),
+                                          traces=int(runtime is None), sites_found=2 * int(runtime is None),
+                                          buckets_compiled=3 * int(runtime is None),
+                                          nodes_rewritten=6 * int(runtime is None)):
+        # first use: 2 sites found once; 3 buckets compiled, each rewriting max_seqlen and backend of 2 sites
+        hits_before = {b.shape.budget: b.stats.hits for b in runtime.buckets} if runtime else {}
+        out = compiled(*inputs)
+        torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)
+    runtime = compiled.vgraph.runtimes[0]
+    hits = {b.shape.budget: b.stats.hits - hits_before.get(b.shape.budget, 0) for b in runtime.buckets}
+    assert hits == {budget: int(budget == bucket) for budget in BUDGETS}
+
+
+def test_stats_table(model):
+    compiled = vgraph_compile.encoder(model, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        for lengths in ([8], [8, 8], [40], [100]):
+            compiled(*pack_images(lengths, 12))
+    table = compiled.vgraph.runtimes[0].stats_table()
+    assert "      16       [4]        [16]      2   25.0%" in table       # 8 and 16 real rows of 2 x 16
+    assert "      64       [4]        [64]      1   37.5%" in table       # 40 of 64
+    assert "eager fallback x1: no bucket holds" in table
+
+
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([0, 5, 3, 12], "never decrease"),
+        ([0, 5, 11], "end at the token count 12"),
+        ([1, 5, 12], "start at 0"),
+    ],
+)
+def test_bad_cu_seqlens_raise_before_any_graph_runs(compiled, cu, message):
+    patches = torch.randn(12, 12)
+    with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
+        compiled(patches, torch.tensor(cu, dtype=torch.int32), 7)
+
+
+def test_autograd_calls_run_eagerly(model):
+    compiled = vgraph_compile.encoder(model, token_budgets=(16,), max_segments=4, compiler="eager")
+    inputs = pack_images([6, 6], 12)
+    with counters.expect(traces=1, sites_found=2, eager_fallbacks=1):
+        out = compiled(*inputs)
+    assert out.requires_grad
+    torch.testing.assert_close(out, model(*inputs))
+
+
+def test_inductor_buckets_serve_100_calls_from_one_trace(model):
+    """One dynamo trace and one inductor graph per budget serve 100 random calls, with no retrace."""
+    compiled = vgraph_compile.encoder(model, token_budgets=(32, 128), max_segments=8)
+    rng = random.Random(0)
+    calls = [[rng.randint(1, 16) for _ in range(rng.randint(1, 8))] for _ in range(100)]  # <= 128 tokens
+    with torch.no_grad():
+        compiled(*pack_images(calls[0], 12))  # warm-up: trace, 2 buckets compiled
+        with counters.expect(replays=100):
+            for lengths in calls:
+                inputs = pack_images(lengths, 12)
+                torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert len(compiled.vgraph.runtimes) == 1

@@ -1,0 +1,40 @@
+import pytest
+
+from vgraph_compile.config import VGraphConfig, generate_budgets
+
+
+def test_generate_budgets_doubles_then_appends_max():
+    assert generate_budgets(64, 800) == (64, 128, 256, 512, 800)
+    assert generate_budgets(1024, 1024) == (1024,)
+
+
+def test_defaults():
+    config = VGraphConfig()
+    assert config.budgets == (1024, 2048, 4096, 8192, 16384)
+    assert config.segments == 64
+    assert VGraphConfig(token_budgets=[16, 32]).segments == 16
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(token_budgets=[]), "token_budgets is empty"),
+        (dict(token_budgets=[0, 8]), "must be positive integers"),
+        (dict(token_budgets=[8, 4]), r"strictly increasing, got \[8, 4\]: use \[4, 8\]"),
+        (dict(token_budgets=[8], min_tokens=4), "either token_budgets or min_tokens/max_tokens"),
+        (dict(min_tokens=512, max_tokens=256), "min_tokens=512 > max_tokens=256"),
+        (dict(token_budgets=[16, 64], max_segments=32), r"max_segments \(32\) must be <= the smallest token budget"),
+        (dict(max_segments=0), "max_segments must be positive"),
+        (dict(attention_backend="flash"), "attention_backend='flash' is unknown"),
+        (dict(compiler="aot"), "compiler='aot' is unknown"),
+    ],
+)
+def test_invalid_values_name_the_field_and_the_fix(fields, message):
+    with pytest.raises(ValueError, match=message):
+        VGraphConfig(**fields)
+
+
+def test_from_options():
+    assert VGraphConfig.from_options({"token_budgets": [64, 128]}).budgets == (64, 128)
+    with pytest.raises(ValueError, match=r"unknown vgraph option\(s\) \['budget'\]"):
+        VGraphConfig.from_options({"budget": 4})

@@ -1,0 +1,63 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+from tests.helpers import segment_reference
+from vgraph_compile import backends
+from vgraph_compile.ops import VARLEN_ATTENTION, varlen_attention
+
+segment_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6)
+
+
+def _packed(lengths, padding=0, heads=2, head_dim=8, generator=None):
+    rows = sum(lengths) + padding
+    q, k, v = (torch.randn(rows, heads, head_dim, generator=generator) for _ in range(3))
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return q, k, v, cu
+
+
+@given(lengths=segment_lists, padding=st.integers(0, 16), scale=st.sampled_from([None, 0.3]))
+def test_sdpa_matches_per_segment_reference(lengths, padding, scale):
+    """Real rows equal per-segment attention; rows past the last offset are exactly zero."""
+    if sum(lengths) + padding == 0:
+        padding = 1
+    q, k, v, cu = _packed(lengths, padding)
+    out = varlen_attention(q, k, v, cu, max(lengths), scale=scale, backend="sdpa")
+    torch.testing.assert_close(out.double(), segment_reference(q, k, v, cu, scale), rtol=1e-5, atol=1e-5)
+    assert not out.isnan().any()
+
+
+def test_padded_rows_never_leak_into_real_rows():
+    """NaN in padded rows of q/k/v (what an unwritten pool can hold) changes no real row."""
+    q, k, v, cu = _packed([5, 7], padding=4)
+    clean = varlen_attention(q, k, v, cu, 7, backend="sdpa")
+    for t in (q, k, v):
+        t[12:] = float("nan")
+    poisoned = varlen_attention(q, k, v, cu, 7, backend="sdpa")
+    torch.testing.assert_close(poisoned[:12], clean[:12], rtol=0, atol=0)
+    assert torch.equal(poisoned[12:], torch.zeros_like(poisoned[12:]))
+
+
+def test_strided_views_as_inputs():
+    """q/k/v as views of a fused qkv projection (the layout encoders produce) give the reference result."""
+    qkv = torch.randn(20, 3, 2, 8)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, 6, 20], dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu, 14)
+    torch.testing.assert_close(out.double(), segment_reference(q, k, v, cu), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    q, k, v, cu = _packed([3, 5], padding=2)
+    opcheck(VARLEN_ATTENTION.default, (q, k, v, cu, 5, None, "sdpa"))
+
+
+def test_resolve_rejects_unknown_and_unsupported_backends():
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        backends.resolve("flash", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="torch_varlen needs CUDA"):
+        backends.resolve("torch_varlen", torch.device("cpu"), torch.bfloat16)
+    assert backends.resolve("auto", torch.device("cpu"), torch.bfloat16).name == "sdpa"
