@@ -21,9 +21,9 @@ from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 SETTINGS = {
     "cpu": dict(model=dict(patch_dim=588, dim=128, depth=4, heads=4, out_dim=256, merge=4), dtype=torch.float32,
-                budgets=[256, 1024, 2048], max_side=24),
+                budgets=[256, 512, 1024, 2048], max_side=24),
     "cuda": dict(model=dict(patch_dim=1176, dim=1024, depth=24, heads=16, out_dim=2048, merge=4),
-                 dtype=torch.bfloat16, budgets=[1024, 4096, 16384], max_side=96),
+                 dtype=torch.bfloat16, budgets=[1024, 2048, 4096, 8192, 16384], max_side=96),
 }
 
 
