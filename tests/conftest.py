@@ -23,3 +23,18 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+_REPORT: list[str] = []
+
+
+def report(line: str) -> None:
+    """Add a line to the report printed at the end of the test run (e.g. the tightness of the bounds)."""
+    _REPORT.append(line)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("vgraph report")
+        for line in _REPORT:
+            terminalreporter.write_line(line)

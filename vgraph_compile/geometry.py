@@ -1,0 +1,113 @@
+"""``VisionGeometry``: static bounds of a ViT's packed sizes, derived with sympy from its merge geometry.
+
+A call packs items (images: 1 frame; videos: ``t`` temporal patches, each a frame) whose frames are ``h x w``
+patch grids, ``h`` and ``w`` multiples of the spatial merge ``m``. With a token budget ``B`` (patches),
+``F`` frames at most, and windows of ``w`` merged tokens a side:
+
+- tokens <= B; merged tokens <= floor(B / m^2);
+- frames (segments of full attention) <= min(F, floor(B / m^2)): every frame holds at least m^2 patches;
+- windows <= min(T, floor((T + S (w - 1)) / w)) with T merged tokens and S frames: a frame of T_f merged tokens
+  has ceil(H/w) ceil(W/w) <= ceil(T_f / w) windows (its grid holds at least ((a-1)w+1)((b-1)w+1) tokens), and
+  sum ceil(T_f / w) <= (T + S (w - 1)) / w;
+- max_seqlen of full attention <= floor(B / m^2) m^2 (one frame takes the whole budget);
+  of window attention <= min(w^2 m^2, that).
+Each bound is reached: one strip frame, S frames of m x m, thin strips of 1 x (w + 1) merged tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import sympy
+
+__all__ = ["VisionGeometry", "GeometryBounds"]
+
+_B, _F, _M, _W = sympy.symbols("B F m w", integer=True, positive=True)
+_T = sympy.floor(_B / _M**2)
+_S = sympy.Min(_F, _T)
+_EXPRESSIONS: dict[str, sympy.Expr] = {
+    "tokens": _B,
+    "merged_tokens": _T,
+    "segments": _S,
+    "windows": sympy.Min(_T, sympy.floor((_T + _S * (_W - 1)) / _W)),
+    "max_seqlen_full": _T * _M**2,
+    "max_seqlen_window": sympy.Min(_W**2 * _M**2, _T * _M**2),
+    "window_index": _T,
+}
+
+
+@dataclass(frozen=True)
+class GeometryBounds(Mapping[str, int]):
+    """The bound of every packed size for one budget; ``explain()`` gives the sympy derivation."""
+
+    sizes: tuple[tuple[str, int], ...]
+    derivation: tuple[tuple[str, str], ...]
+
+    def __getitem__(self, key: str) -> int:
+        return dict(self.sizes)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, _ in self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def explain(self) -> str:
+        return "\n".join(f"{key} = {expr} = {self[key]}" for key, expr in self.derivation)
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """Patch and merge geometry of a ViT (Qwen2-VL: patch 14; Qwen2.5-VL: window 112; Qwen3-VL: patch 16)."""
+
+    patch_size: int
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int | None = None
+    """Window side in pixels (Qwen2.5-VL: 112); None when the model has no window attention."""
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch_size", "spatial_merge_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"VisionGeometry.{name} must be positive, got {getattr(self, name)}")
+        if self.window_size is not None and self.window_size % (self.patch_size * self.spatial_merge_size):
+            raise ValueError(
+                f"VisionGeometry.window_size={self.window_size} is not a multiple of patch_size x "
+                f"spatial_merge_size = {self.patch_size * self.spatial_merge_size}: windows must hold whole "
+                "merged tokens"
+            )
+
+    @property
+    def merged_window(self) -> int | None:
+        """Window side in merged tokens (Qwen2.5-VL: 112 / 14 / 2 = 4)."""
+        if self.window_size is None:
+            return None
+        return self.window_size // self.patch_size // self.spatial_merge_size
+
+    def bounds(self, token_budget: int, max_items: int, max_frames: int | None = None) -> GeometryBounds:
+        """Upper bounds for a call of at most ``token_budget`` patches, ``max_items`` items and ``max_frames``
+        frames in all (default: one per item). Windows are those of ``window_size`` (none: 0)."""
+        if token_budget <= 0 or max_items <= 0:
+            raise ValueError(f"token_budget ({token_budget}) and max_items ({max_items}) must be positive")
+        frames = max_items if max_frames is None else max_frames
+        if frames < max_items:
+            raise ValueError(f"max_frames ({frames}) < max_items ({max_items}): every item has a frame")
+        merge = self.spatial_merge_size
+        if token_budget < merge * merge:
+            raise ValueError(
+                f"token_budget {token_budget} holds no frame: the smallest frame has {merge * merge} patches"
+            )
+        substitution = {_B: token_budget, _F: frames, _M: merge, _W: self.merged_window or 1}
+        values, derivation = [], []
+        for key, expr in _EXPRESSIONS.items():
+            value = int(expr.subs(substitution))
+            if key in ("windows", "max_seqlen_window") and self.window_size is None:
+                value, expr = 0, sympy.Integer(0)
+            values.append((key, value))
+            derivation.append((key, str(expr)))
+        return GeometryBounds(tuple(values), tuple(derivation))
+
+    def conservative_windows(self, token_budget: int) -> int:
+        """The window bound vLLM used before PR #42796: the token budget itself (for the ablation)."""
+        return token_budget
