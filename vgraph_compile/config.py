@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vgraph_compile.backends import BACKENDS
+from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["VGraphConfig", "generate_budgets"]
 
@@ -51,6 +52,15 @@ class VGraphConfig:
     check_values: bool = True
     """Check cu_seqlens values (start 0, non-decreasing, end at the token count) before a graph runs.
     On CUDA this reads cu_seqlens back to the host once per call."""
+    geometry: VisionGeometry | None = None
+    """Merge geometry of a ViT: sizes each attention group's segments and max_seqlen from proven bounds
+    (frames, windows) instead of max_segments and the budget. Budgets then count patches."""
+    max_items: int | None = None
+    """With a geometry: most images/videos per call; default max_segments."""
+    max_frames: int | None = None
+    """With a geometry: most frames (temporal patches) per call, all items together; default max_items."""
+    window_bound: Literal["tight", "conservative"] = "tight"
+    """With a geometry: size window segments by the tight bound, or by the token budget (vLLM before #42796)."""
     budgets: tuple[int, ...] = field(init=False)
     """The resolved, sorted token budgets."""
     segments: int = field(init=False)
@@ -104,6 +114,21 @@ class VGraphConfig:
                 f"VGraphConfig.attention_backend={self.attention_backend!r} is unknown: "
                 f"choose one of {['auto', *BACKENDS]}"
             )
+        if self.window_bound not in ("tight", "conservative"):
+            raise ValueError(f"VGraphConfig.window_bound={self.window_bound!r}: choose 'tight' or 'conservative'")
+        if self.geometry is None and (self.max_items is not None or self.max_frames is not None):
+            raise ValueError("VGraphConfig.max_items/max_frames need a geometry: pass geometry=VisionGeometry(...)")
+        if self.geometry is not None:
+            items = segments if self.max_items is None else self.max_items
+            frames = items if self.max_frames is None else self.max_frames
+            if items <= 0 or frames < items:
+                raise ValueError(
+                    f"VGraphConfig: max_items={items} must be positive and max_frames={frames} >= max_items"
+                )
+            object.__setattr__(self, "max_items", items)
+            object.__setattr__(self, "max_frames", frames)
+            for budget in budgets:
+                self.geometry.bounds(budget, items, frames)
         if self.compiler not in ("inductor", "eager"):
             raise ValueError(f"VGraphConfig.compiler={self.compiler!r} is unknown: choose 'inductor' or 'eager'")
 

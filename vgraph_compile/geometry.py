@@ -17,9 +17,12 @@ Each bound is reached: one strip frame, S frames of m x m, thin strips of 1 x (w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import sympy
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["VisionGeometry", "GeometryBounds"]
 
@@ -108,6 +111,34 @@ class VisionGeometry:
             derivation.append((key, str(expr)))
         return GeometryBounds(tuple(values), tuple(derivation))
 
-    def conservative_windows(self, token_budget: int) -> int:
-        """The window bound vLLM used before PR #42796: the token budget itself (for the ablation)."""
-        return token_budget
+    def frame_offsets(self, grid_thw: Sequence[Sequence[int]]) -> "torch.Tensor":
+        """int32 cu_seqlens of full attention: one segment per frame (temporal patch) of every item."""
+        import torch
+
+        lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
+        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    def window_metadata(self, grid_thw: Sequence[Sequence[int]]) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(window_index, cu_window_seqlens) for window attention, as Qwen2.5-VL orders them.
+
+        ``window_index`` permutes merged tokens so each window's tokens are contiguous (windows in row-major
+        order within each frame, frames in order); ``cu_window_seqlens`` (int32, in patches) delimits them.
+        """
+        import torch
+
+        if self.window_size is None:
+            raise ValueError("window_metadata needs a geometry with window_size")
+        merge, side = self.spatial_merge_size, self.merged_window
+        order, lengths, start = [], [], 0
+        for t, h, w in grid_thw:
+            rows, cols = h // merge, w // merge
+            index = torch.arange(t * rows * cols).view(t, rows, cols) + start
+            for frame in index:
+                for top in range(0, rows, side):
+                    for left in range(0, cols, side):
+                        window = frame[top : top + side, left : left + side].reshape(-1)
+                        order.append(window)
+                        lengths.append(window.numel() * merge * merge)
+            start += t * rows * cols
+        offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch.cat(order), offsets

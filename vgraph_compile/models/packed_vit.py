@@ -59,3 +59,29 @@ def pack_images(lengths: list[int], patch_dim: int, *, device=None, dtype=None, 
     patches = torch.randn(sum(lengths), patch_dim, generator=generator, dtype=dtype).to(device)
     cu_seqlens = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
     return patches, cu_seqlens, max(lengths)
+
+
+class WindowedViT(PackedViT):
+    """PackedViT with Qwen2.5-VL's layout: tokens permuted into windows of merged tokens, window attention in
+    every block but the full-attention ones, and the merged output put back in the caller's order.
+
+    ``forward(patches, cu_seqlens, max_seqlen, cu_window_seqlens, max_window_seqlen, window_index)``, with
+    ``window_index``/``cu_window_seqlens`` from ``VisionGeometry.window_metadata`` (merge 4 = 2 x 2).
+    """
+
+    def __init__(self, *args, full_attention_blocks: tuple[int, ...] = (1,), **kwargs) -> None:
+        kwargs.setdefault("merge", 4)
+        super().__init__(*args, **kwargs)
+        self.full_attention_blocks = full_attention_blocks
+
+    def forward(self, patches, cu_seqlens, max_seqlen, cu_window_seqlens, max_window_seqlen, window_index):
+        x = self.embed(patches)
+        tokens, width = x.shape
+        x = x.reshape(tokens // self.merge, self.merge, width)[window_index].reshape(tokens, width)
+        for index, block in enumerate(self.blocks):
+            if index in self.full_attention_blocks:
+                x = block(x, cu_seqlens, max_seqlen)
+            else:
+                x = block(x, cu_window_seqlens, max_window_seqlen)
+        merged = self.merger(self.norm(x).reshape(-1, self.merge * width))
+        return merged[torch.argsort(window_index)]

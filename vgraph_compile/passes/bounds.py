@@ -4,8 +4,10 @@ Invariant: never mutates the graph; stores one ``BucketShape`` per budget in ``c
 
 Symbols covered:
 - the token symbol: solved from ``token_rows == budget``;
-- each attention group's segment symbol: solved from ``segments == min(max_segments, budget)``;
-- MAX_SEQLEN inputs: the group's bound, ``budget`` (a segment can hold every token);
+- each attention group's segment symbol: solved from ``segments == min(max_segments, budget)``; with a
+  ``VisionGeometry``, from its proven frame bound, or its window bound for the window group (the group whose
+  traced call had more segments; when the trace cannot tell, both groups get the larger, always safe, sizes);
+- MAX_SEQLEN inputs: the group's bound: ``budget`` (a segment can hold every token), or the geometry's;
 - a GATHER_INDEX length: the bucket size of the dim it indexes (a permutation is that long, padded by identity);
 - any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens): fixed at its traced
   value, never bounded by a guess; a call with another value fits no bucket and runs eagerly.
@@ -23,7 +25,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from vgraph_compile.passes.spec import BucketShape, PassContext
 
-__all__ = ["run", "solve_for"]
+__all__ = ["run", "solve_for", "window_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +44,56 @@ def solve_for(expr: sympy.Expr, target: int, what: str) -> tuple[sympy.Symbol, i
     return symbol, int(min(solutions))
 
 
+def _hints(ctx: PassContext) -> dict:
+    return getattr(ctx.shape_env, "backed_var_to_val", None) or ctx.shape_env.var_to_val
+
+
+def window_groups(ctx: PassContext) -> set[int] | None:
+    """Indices of the window-attention groups: those whose traced call had more segments than the fewest;
+    None when the trace cannot tell frames from windows (several groups with equal counts)."""
+    groups = ctx.spec.groups
+    if len(groups) == 1 or ctx.config.geometry.window_size is None:
+        return set()
+    counts = [int(group.segments.xreplace({s: sympy.Integer(v) for s, v in _hints(ctx).items()})) for group in groups]
+    if len(set(counts)) == 1:
+        log.info("traced call has equal frame and window counts: sizing every group for both")
+        return None
+    return {group.index for group, count in zip(groups, counts) if count > min(counts)}
+
+
+def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int] | None) -> tuple[int, int]:
+    """(segments, max_seqlen) of one attention group in the bucket of ``budget``."""
+    config = ctx.config
+    if config.geometry is None:
+        return min(config.segments, budget), budget
+    sizes = config.geometry.bounds(budget, config.max_items, config.max_frames)
+    window_count = budget if config.window_bound == "conservative" else sizes["windows"]
+    frames = (sizes["segments"], sizes["max_seqlen_full"])
+    window = (window_count, sizes["max_seqlen_window"])
+    if windows is None:
+        return max(frames[0], window[0]), frames[1]
+    return window if group in windows else frames
+
+
 def _bucket(ctx: PassContext, budget: int) -> BucketShape:
     spec = ctx.spec
     values: dict[sympy.Symbol, int] = {}
     solved = solve_for(spec.token_rows, budget, f"token rows for budget {budget}")
     values[solved[0]] = solved[1]
     segments, max_seqlen = [], []
+    windows = window_groups(ctx) if ctx.config.geometry is not None else set()
     for group in spec.groups:
-        capacity = min(ctx.config.segments, budget)
+        capacity, longest = _group_capacity(ctx, budget, group.index, windows)
         solved = solve_for(group.segments, capacity, f"segment count of group {group.index}")
         if solved is None:
             capacity = int(group.segments)
         else:
             values.setdefault(*solved)
         segments.append(capacity)
-        max_seqlen.append(budget)
+        max_seqlen.append(longest)
         for index in group.max_seqlen_inputs:
             (symbol,) = [binding[0] for binding in spec.bindings if binding[1] == index]
-            values[symbol] = budget
+            values[symbol] = longest
 
     for role in spec.inputs:
         if role.indexed is not None:
@@ -75,7 +109,7 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
             symbols |= size.free_symbols
     symbols |= {binding[0] for binding in spec.bindings}
     fixed = frozenset(symbols - set(values))
-    hints = getattr(ctx.shape_env, "backed_var_to_val", None) or ctx.shape_env.var_to_val
+    hints = _hints(ctx)
     for symbol in fixed:
         values[symbol] = int(hints[symbol])
     substitution = {symbol: sympy.Integer(value) for symbol, value in values.items()}

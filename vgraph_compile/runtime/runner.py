@@ -125,8 +125,11 @@ class VGraphRuntime:
             for symbol, index, dim in self.spec.bindings
         }
 
-    def _validate(self, args: Sequence[Any], sizes: dict[sympy.Symbol, int]) -> None:
-        tokens = int(self.spec.token_rows.xreplace({s: sympy.Integer(v) for s, v in sizes.items()}))
+    def tokens(self, sizes: dict[sympy.Symbol, int]) -> int:
+        """The call's token count (rows of the first attention), the quantity budgets are counted in."""
+        return int(self.spec.token_rows.xreplace({s: sympy.Integer(v) for s, v in sizes.items()}))
+
+    def _validate(self, args: Sequence[Any], tokens: int) -> None:
         for role in self._offsets:
             offsets = args[role.index]
             if offsets.dim() != 1 or offsets.shape[0] < 2:
@@ -178,7 +181,8 @@ class VGraphRuntime:
 
     def __call__(self, *args: Any) -> list[Any]:
         sizes = self.sizes(args)
-        self._validate(args, sizes)
+        tokens = self.tokens(sizes)
+        self._validate(args, tokens)
         if torch.is_grad_enabled() and (
             self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         ):
@@ -198,7 +202,7 @@ class VGraphRuntime:
                 padding.fill(role.role, bucket.buffers[role.index], args[role.index])
         outputs = cudagraph.run_static(bucket.run, self.cudagraphs)
         bucket.stats.hits += 1
-        bucket.stats.real_tokens += sizes[self.spec.token_symbol]
+        bucket.stats.real_tokens += tokens
         counters.replays += 1
         return self._narrow(outputs, sizes)
 
