@@ -49,3 +49,28 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
     gm, ctx = trace(encoder, torch.randn(10, 6), torch.tensor([0, 4, 10], dtype=torch.int32), 6,
                     config=VGraphConfig(token_budgets=(16,), max_segments=2))
     assert_expected_inline(_bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)""")
+
+
+def _windowed(config_fields):
+    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_vit
+
+    model, inputs = windowed_vit()
+    config = VGraphConfig(token_budgets=(1024, 4096), geometry=QWEN25_GEOMETRY, max_items=4, **config_fields)
+    return trace(model, *inputs, config=config)
+
+
+def test_geometry_sizes_frames_and_windows():
+    """The window group (more segments in the trace) gets the tight window bound and max_seqlen w^2 m^2 = 64;
+    the frame group max_items frames and the whole budget as max_seqlen."""
+    gm, ctx = _windowed({})
+    assert_expected_inline(_bounds(gm, ctx), """\
+budget 1024: segments=[67, 4] max_seqlen=[64, 1024] (s11<=68 s24<=64 s40<=5 s7<=1024 s98<=256)
+budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (s11<=260 s24<=64 s40<=5 s7<=4096 s98<=1024)""")
+
+
+def test_conservative_window_bound_for_the_ablation():
+    """window_bound='conservative' sizes window segments by the token budget, as vLLM did before #42796."""
+    gm, ctx = _windowed({"window_bound": "conservative"})
+    assert_expected_inline(_bounds(gm, ctx), """\
+budget 1024: segments=[1024, 4] max_seqlen=[64, 1024] (s11<=1025 s24<=64 s40<=5 s7<=1024 s98<=256)
+budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (s11<=4097 s24<=64 s40<=5 s7<=4096 s98<=1024)""")

@@ -1,0 +1,81 @@
+"""``vgraph explain``: the bucket x bound table of a geometry and its sympy derivation; with ``--module``, also
+the input roles the backend discovers in an encoder.
+
+    vgraph explain --patch-size 14 --window-size 112 --budgets 1024 4096 16384 --max-items 8
+    vgraph explain ... --module vgraph_compile.models.examples:windowed_vit
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from vgraph_compile.geometry import VisionGeometry
+
+__all__ = ["main", "explain"]
+
+
+def bound_table(geometry: VisionGeometry, budgets, max_items: int, max_frames: int | None) -> str:
+    rows = [geometry.bounds(budget, max_items, max_frames) for budget in budgets]
+    keys = list(rows[0])
+    lines = ["  ".join(f"{key:>17}" for key in keys)]
+    lines += ["  ".join(f"{bounds[key]:>17}" for key in keys) for bounds in rows]
+    return "\n".join(lines)
+
+
+def explain(args: argparse.Namespace) -> str:
+    geometry = VisionGeometry(args.patch_size, args.temporal_patch_size, args.spatial_merge_size, args.window_size)
+    parts = [
+        f"{geometry}, max_items={args.max_items}, max_frames={args.max_frames or args.max_items}",
+        bound_table(geometry, args.budgets, args.max_items, args.max_frames),
+        "derivation (B: budget in patches, F: max frames, m: spatial merge, w: window in merged tokens):",
+        geometry.bounds(args.budgets[-1], args.max_items, args.max_frames).explain(),
+    ]
+    if args.module:
+        parts += ["discovered input roles:", _module_roles(args.module, geometry, args)]
+    return "\n".join(parts)
+
+
+def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace) -> str:
+    """Trace ``module:factory`` (a callable returning ``(encoder, example_args)``) and print its spec."""
+    import torch
+
+    from vgraph_compile.backend import VGraphBackend
+    from vgraph_compile.config import VGraphConfig
+    from vgraph_compile.decorator import trace_options
+
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise SystemExit(f"--module takes path:attr (a factory returning (encoder, example_args)), got {spec!r}")
+    encoder, example_args = getattr(importlib.import_module(module_name), attribute)()
+    config = VGraphConfig(token_budgets=tuple(args.budgets), geometry=geometry, max_items=args.max_items,
+                          max_frames=args.max_frames, compiler="eager")
+    backend = VGraphBackend(config)
+    with trace_options(), torch.no_grad():
+        torch.compile(encoder, backend=backend, dynamic=True, fullgraph=True)(*example_args)
+    runtime = backend.runtimes[-1]
+    return "\n".join([runtime.spec.format(), *(bucket.format() for bucket in runtime.ctx.buckets)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="vgraph")
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("explain", help="bucket x bound table and derivation for a geometry")
+    command.add_argument("--patch-size", type=int, required=True)
+    command.add_argument("--temporal-patch-size", type=int, default=2)
+    command.add_argument("--spatial-merge-size", type=int, default=2)
+    command.add_argument("--window-size", type=int, default=None, help="window side in pixels (Qwen2.5-VL: 112)")
+    command.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096, 16384])
+    command.add_argument("--max-items", type=int, default=8)
+    command.add_argument("--max-frames", type=int, default=None)
+    command.add_argument("--module", help="path:attr of a factory returning (encoder, example_args)")
+    args = parser.parse_args(argv)
+    try:
+        print(explain(args))
+    except ValueError as error:
+        sys.exit(f"vgraph explain: {error}")
+
+
+if __name__ == "__main__":
+    main()
