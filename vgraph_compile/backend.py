@@ -20,6 +20,7 @@ from torch._guards import detect_fake_mode
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager
+from vgraph_compile.passes.discover_varlen import StaticTokensError
 from vgraph_compile.passes.spec import PassContext
 from vgraph_compile.runtime.runner import VGraphRuntime
 
@@ -28,7 +29,6 @@ __all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]
 log = logging.getLogger(__name__)
 
 _RUNTIMES: "weakref.WeakSet[VGraphRuntime]" = weakref.WeakSet()
-_static_warned = False
 
 
 def runtimes() -> list[VGraphRuntime]:
@@ -62,20 +62,22 @@ class VGraphBackend:
     def __init__(self, config: VGraphConfig | None = None) -> None:
         self.config = config or VGraphConfig()
         self.runtimes: list[VGraphRuntime] = []
+        self._static_warned = False
+
+    def _static_trace(self, gm: torch.fx.GraphModule, why: str) -> Callable[..., Any]:
+        """A trace that serves one token count: run it as traced, warn once; dynamo retraces on the next size."""
+        counters.static_traces += 1
+        if not self._static_warned:
+            self._static_warned = True
+            log.warning("%s Until then the encoder runs eagerly.", why)
+        return gm.forward
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        global _static_warned
         if not _is_dynamic(example_inputs):
-            counters.static_traces += 1
-            if not _static_warned:
-                _static_warned = True
-                log.warning(
-                    "vgraph got a trace with static shapes, which would serve one input size only; it runs "
-                    "eagerly until dynamo retraces with dynamic sizes. Pass dynamic=True to torch.compile (or "
-                    "use vgraph_compile.encoder) to compile the token buckets on the first call."
-                )
-            return gm.forward
-        counters.traces += 1
+            return self._static_trace(
+                gm, "vgraph got a trace with static shapes. Pass dynamic=True to torch.compile (or use "
+                "vgraph_compile.encoder) to compile the token buckets on the first call."
+            )
         fake_mode = detect_fake_mode(example_inputs)
         activation = _first_activation(example_inputs)
         ctx = PassContext(
@@ -85,7 +87,11 @@ class VGraphBackend:
             device=activation.device,
             dtype=activation.dtype,
         )
-        pass_manager.analyze(gm, ctx)
+        try:
+            pass_manager.analyze(gm, ctx)
+        except StaticTokensError as error:
+            return self._static_trace(gm, str(error))
+        counters.traces += 1
         runtime = VGraphRuntime(gm, ctx)
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)

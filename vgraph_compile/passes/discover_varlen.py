@@ -31,9 +31,13 @@ from vgraph_compile.counters import counters
 from vgraph_compile.passes.fx_utils import ancestors, example_value, get_argument, op_name
 from vgraph_compile.passes.spec import AttentionGroup, InputRole, PassContext, Role, VarlenSite, VarlenSpec
 
-__all__ = ["run", "VARLEN_OPS", "VarlenOp"]
+__all__ = ["run", "VARLEN_OPS", "VarlenOp", "StaticTokensError"]
 
 log = logging.getLogger(__name__)
+
+
+class StaticTokensError(ValueError):
+    """The trace fixed the attention's row count: it serves one token count only."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,12 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         )
     token_rows = sites[0].rows
     token_free = sorted(token_rows.free_symbols, key=str)
+    if not token_free:
+        raise StaticTokensError(
+            f"the trace fixed the attention's packed row count at {token_rows}: without dynamic=True, or with "
+            "duck sizing (a first call whose token count equals another size) or a first call of one token, "
+            "dynamo specializes it. Use vgraph_compile.encoder, which traces with neither."
+        )
     if len(token_free) != 1:
         raise ValueError(
             f"the attention's packed row count is {token_rows}: it must depend on exactly one dynamic size. "
