@@ -12,8 +12,9 @@ from vgraph_compile.decorator import trace_options
 from vgraph_compile.passes.spec import PassContext
 
 
-def trace(model, *args, config: VGraphConfig | None = None) -> tuple[torch.fx.GraphModule, PassContext]:
-    """The dynamo graph and a fresh ``PassContext`` for ``model(*args)``, as the vgraph backend receives them."""
+def trace(model, *args, config: VGraphConfig | None = None, static_widths: bool = True) -> tuple[torch.fx.GraphModule, PassContext]:
+    """The dynamo graph and a fresh ``PassContext`` for ``model(*args)``, as the vgraph backend receives them
+    (``static_widths=False``: trailing dims left symbolic, as plain ``torch.compile(dynamic=True)`` leaves them)."""
     captured = {}
 
     def capture(gm, example_inputs):
@@ -22,7 +23,7 @@ def trace(model, *args, config: VGraphConfig | None = None) -> tuple[torch.fx.Gr
         return gm.forward
 
     torch._dynamo.reset()
-    with trace_options():
+    with trace_options(args if static_widths else ()):
         torch.compile(model, backend=capture, dynamic=True, fullgraph=True)(*args)
     gm, inputs = captured["gm"], captured["inputs"]
     tensor = next(value for value in inputs if isinstance(value, torch.Tensor) and value.is_floating_point())

@@ -52,7 +52,7 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     config = VGraphConfig(token_budgets=tuple(args.budgets), geometry=geometry, max_items=args.max_items,
                           max_frames=args.max_frames, compiler="eager")
     backend = VGraphBackend(config)
-    with trace_options(), torch.no_grad():
+    with trace_options(example_args), torch.no_grad():
         torch.compile(encoder, backend=backend, dynamic=True, fullgraph=True)(*example_args)
     runtime = backend.runtimes[-1]
     return "\n".join([runtime.spec.format(), *(bucket.format() for bucket in runtime.ctx.buckets)])

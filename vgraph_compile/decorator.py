@@ -8,6 +8,7 @@ and their stats).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, TypeVar
 
@@ -22,13 +23,23 @@ __all__ = ["encoder", "trace_options"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def trace_options():
-    """ShapeEnv settings for a trace that serves every size, whatever the first call was.
+def trace_options(args: tuple = ()) -> contextlib.ExitStack:
+    """Settings for a trace that serves every size, whatever the first call was.
 
-    No duck sizing: a token count equal to a feature width by chance must not tie the two. Size-oblivious
-    backed sizes: a first call with one token or one segment must not specialize that size to 1.
+    Dim 0 of every tensor argument is its packed dim and stays dynamic; trailing dims (feature widths) are
+    marked static. No duck sizing: sizes equal by chance in the first call (as many windows as frames, a token
+    count equal to a width) must not be tied together; lengths that are equal by construction are related by
+    the graph itself (an elementwise op, or ``torch._check(a.shape[0] == b.shape[0])``). Size-oblivious backed
+    sizes: a first call with one token or one segment must not specialize that size to 1. Specialized floats:
+    module constants (eps, scales) stay constants rather than becoming graph inputs.
     """
-    return fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 1:
+            torch._dynamo.mark_static(arg, tuple(range(1, arg.dim())))
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(use_duck_shape=False, backed_size_oblivious=True))
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    return stack
 
 
 def encoder(fn: F | None = None, /, *, config: VGraphConfig | None = None, **options: Any):
@@ -46,7 +57,7 @@ def encoder(fn: F | None = None, /, *, config: VGraphConfig | None = None, **opt
 
         @functools.wraps(target)
         def call(*args: Any, **kwargs: Any) -> Any:
-            with trace_options():
+            with trace_options(args):
                 return compiled(*args, **kwargs)
 
         call.vgraph = backend

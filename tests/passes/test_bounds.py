@@ -38,7 +38,7 @@ def test_budget_breaking_a_traced_guard_is_refused():
 
 
 def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
-    """A feature dim that dynamic=True left symbolic is pinned (==), not bounded by a guess."""
+    """A feature width that dynamic=True left symbolic is pinned (==) at its traced value, not bounded by a guess."""
 
     def encoder(x, cu, max_seqlen):
         q = x.view(x.shape[0], 1, x.shape[1])
@@ -47,7 +47,7 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
         return varlen_attention(q, q, q, cu, max_seqlen)
 
     gm, ctx = trace(encoder, torch.randn(10, 6), torch.tensor([0, 4, 10], dtype=torch.int32), 6,
-                    config=VGraphConfig(token_budgets=(16,), max_segments=2))
+                    config=VGraphConfig(token_budgets=(16,), max_segments=2), static_widths=False)
     assert_expected_inline(_bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)""")
 
 

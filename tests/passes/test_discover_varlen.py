@@ -22,7 +22,7 @@ input l_patches_: tokens dims=[0]
 input s40: size
 input l_cu_seqlens_: segment_offsets dims=[0] group=0
 input l_max_seqlen_: max_seqlen group=0
-inputs: 21 parameters and module state (used in place)""")
+inputs: 18 parameters and module state (used in place)""")
 
 
 class TwoGroups(torch.nn.Module):
@@ -47,12 +47,10 @@ tokens: s77 (symbol s77)
 group 0: offsets=l_cu_full_ segments=s93 - 1 sites=['full']
 group 1: offsets=l_cu_window_ segments=s28 - 1 sites=['window']
 input s77: size
-input s27: size
-input l_x_: tokens dims=[0, 1]
+input l_x_: tokens dims=[0]
 input s93: size
 input l_cu_full_: segment_offsets dims=[0] group=0
 input l_max_full_: max_seqlen group=0
-input s98: size
 input l_window_index_: gather_index dims=[0]
 input s28: size
 input l_cu_window_: segment_offsets dims=[0] group=1

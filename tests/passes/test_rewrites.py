@@ -47,53 +47,53 @@ class GraphModule(torch.nn.Module):
 
         state_4: "f32[16]" = self.state_4
         state_5: "f32[16]" = self.state_5
-        state_7: "f32[48, 16]" = self.state_7
-        state_8: "f32[48]" = self.state_8
+        state_6: "f32[48, 16]" = self.state_6
+        state_7: "f32[48]" = self.state_7
 
-        input_10: "i32[5]" = self.input_10
+        input_9: "i32[5]" = self.input_9
 
-        state_12: "f32[16, 16]" = self.state_12
+        state_11: "f32[16, 16]" = self.state_11
+        state_12: "f32[16]" = self.state_12
+
         state_13: "f32[16]" = self.state_13
-
         state_14: "f32[16]" = self.state_14
-        state_15: "f32[16]" = self.state_15
-        state_17: "f32[64, 16]" = self.state_17
-        state_18: "f32[64]" = self.state_18
-        state_19: "f32[16, 64]" = self.state_19
+        state_15: "f32[64, 16]" = self.state_15
+        state_16: "f32[64]" = self.state_16
+        state_17: "f32[16, 64]" = self.state_17
+        state_18: "f32[16]" = self.state_18
+
+        state_19: "f32[16]" = self.state_19
         state_20: "f32[16]" = self.state_20
 
-        state_21: "f32[16]" = self.state_21
-        state_22: "f32[16]" = self.state_22
-
-        state_24: "f32[8, 16]" = self.state_24
-        state_25: "f32[8]" = self.state_25
+        state_21: "f32[8, 16]" = self.state_21
+        state_22: "f32[8]" = self.state_22
 
         x: "f32[16, 16]" = torch._C._nn.linear(input_3, state_0, state_1);  input_3 = state_0 = state_1 = None
 
         layer_norm: "f32[16, 16]" = torch.nn.functional.layer_norm(x, (16,), state_4, state_5, 1e-05);  state_4 = state_5 = None
-        linear_1: "f32[16, 48]" = torch._C._nn.linear(layer_norm, state_7, state_8);  layer_norm = state_7 = state_8 = None
+        linear_1: "f32[16, 48]" = torch._C._nn.linear(layer_norm, state_6, state_7);  layer_norm = state_6 = state_7 = None
         view: "f32[16, 3, 2, 8]" = linear_1.view(16, 3, 2, -1);  linear_1 = None
         unbind = view.unbind(1);  view = None
         q: "f32[16, 2, 8]" = unbind[0]
         k: "f32[16, 2, 8]" = unbind[1]
         v: "f32[16, 2, 8]" = unbind[2];  unbind = None
 
-        attended: "f32[16, 2, 8]" = torch.ops.vgraph.varlen_attention(q, k, v, input_10, 16, None, 'sdpa');  q = k = v = input_10 = None
+        attended: "f32[16, 2, 8]" = torch.ops.vgraph.varlen_attention(q, k, v, input_9, 16, None, 'sdpa');  q = k = v = input_9 = None
 
         reshape: "f32[16, 16]" = attended.reshape(16, -1);  attended = None
-        linear_2: "f32[16, 16]" = torch._C._nn.linear(reshape, state_12, state_13);  reshape = state_12 = state_13 = None
+        linear_2: "f32[16, 16]" = torch._C._nn.linear(reshape, state_11, state_12);  reshape = state_11 = state_12 = None
         x_1: "f32[16, 16]" = x + linear_2;  x = linear_2 = None
 
-        layer_norm_1: "f32[16, 16]" = torch.nn.functional.layer_norm(x_1, (16,), state_14, state_15, 1e-05);  state_14 = state_15 = None
-        linear_3: "f32[16, 64]" = torch._C._nn.linear(layer_norm_1, state_17, state_18);  layer_norm_1 = state_17 = state_18 = None
+        layer_norm_1: "f32[16, 16]" = torch.nn.functional.layer_norm(x_1, (16,), state_13, state_14, 1e-05);  state_13 = state_14 = None
+        linear_3: "f32[16, 64]" = torch._C._nn.linear(layer_norm_1, state_15, state_16);  layer_norm_1 = state_15 = state_16 = None
         gelu: "f32[16, 64]" = torch._C._nn.gelu(linear_3);  linear_3 = None
-        linear_4: "f32[16, 16]" = torch._C._nn.linear(gelu, state_19, state_20);  gelu = state_19 = state_20 = None
+        linear_4: "f32[16, 16]" = torch._C._nn.linear(gelu, state_17, state_18);  gelu = state_17 = state_18 = None
         x_2: "f32[16, 16]" = x_1 + linear_4;  x_1 = linear_4 = None
 
-        x_3: "f32[16, 16]" = torch.nn.functional.layer_norm(x_2, (16,), state_21, state_22, 1e-05);  x_2 = state_21 = state_22 = None
+        x_3: "f32[16, 16]" = torch.nn.functional.layer_norm(x_2, (16,), state_19, state_20, 1e-05);  x_2 = state_19 = state_20 = None
 
         reshape_1: "f32[16, 16]" = x_3.reshape(-1, 16);  x_3 = None
-        linear_5: "f32[16, 8]" = torch._C._nn.linear(reshape_1, state_24, state_25);  reshape_1 = state_24 = state_25 = None
+        linear_5: "f32[16, 8]" = torch._C._nn.linear(reshape_1, state_21, state_22);  reshape_1 = state_21 = state_22 = None
         return (linear_5,)
 """)
 

@@ -9,8 +9,9 @@ Symbols covered:
   traced call had more segments; when the trace cannot tell, both groups get the larger, always safe, sizes);
 - MAX_SEQLEN inputs: the group's bound: ``budget`` (a segment can hold every token), or the geometry's;
 - a GATHER_INDEX length: the bucket size of the dim it indexes (a permutation is that long, padded by identity);
-- any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens): fixed at its traced
-  value, never bounded by a guess; a call with another value fits no bucket and runs eagerly.
+- a symbol a guard equates to assigned ones (``Eq(s44, s99)``): that value;
+- feature widths and any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens):
+  fixed at its traced value, never bounded by a guess; a call with another value fits no bucket (eager).
 Every guard dynamo recorded in the ShapeEnv must hold at the bucket's sizes, or the budget is refused with the
 guard that failed (e.g. a reshape needing a multiple of 4). ``bound_sympy`` gives each output dim's range.
 """
@@ -75,9 +76,27 @@ def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int]
     return window if group in windows else frames
 
 
+def _follow_guards(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
+    """Sizes the trace's guards pin to assigned ones (``Eq(s44, (s59*s99)//1176)``), until nothing changes."""
+    changed = True
+    while changed:
+        changed = False
+        for guard in ctx.shape_env.guards:
+            expr = sympy.sympify(ctx.shape_env.replace(guard.expr))
+            if not isinstance(expr, sympy.Eq):
+                continue
+            for unknown, known in ((expr.lhs, expr.rhs), (expr.rhs, expr.lhs)):
+                if (isinstance(unknown, sympy.Symbol) and unknown not in values
+                        and known.free_symbols and known.free_symbols <= set(values)):
+                    value = known.xreplace({s: sympy.Integer(v) for s, v in values.items()})
+                    if value.is_Integer:
+                        values[unknown] = int(value)
+                        changed = True
+
+
 def _bucket(ctx: PassContext, budget: int) -> BucketShape:
     spec = ctx.spec
-    values: dict[sympy.Symbol, int] = {}
+    values: dict[sympy.Symbol, int] = dict(spec.features)
     solved = solve_for(spec.token_rows, budget, f"token rows for budget {budget}")
     values[solved[0]] = solved[1]
     segments, max_seqlen = [], []
@@ -95,6 +114,7 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
             (symbol,) = [binding[0] for binding in spec.bindings if binding[1] == index]
             values[symbol] = longest
 
+    _follow_guards(ctx, values)
     for role in spec.inputs:
         if role.indexed is not None:
             length = spec.input_shapes[role.index][0]
@@ -108,7 +128,15 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
         for size in shape or ():
             symbols |= size.free_symbols
     symbols |= {binding[0] for binding in spec.bindings}
-    fixed = frozenset(symbols - set(values))
+    _follow_guards(ctx, values)
+    unrelated = symbols - set(values)
+    if unrelated:
+        log.warning(
+            "sizes %s are tied to no budget: pinned at their traced values (other values run eagerly); relate "
+            "them to the token count in the encoder, e.g. torch._check(x.shape[0] == tokens)",
+            sorted(map(str, unrelated)),
+        )
+    fixed = frozenset(unrelated) | frozenset(spec.features)
     hints = _hints(ctx)
     for symbol in fixed:
         values[symbol] = int(hints[symbol])

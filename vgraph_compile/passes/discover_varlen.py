@@ -206,7 +206,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             f"no varlen-attention call found in the traced graph (looked for {known}): route the encoder's "
             "attention through vgraph_compile.varlen_attention(q, k, v, cu_seqlens, max_seqlen)"
         )
-    token_rows = sites[0].rows
+    features = _feature_sizes(placeholder_nodes, parameters, simplify, shape_env)
+    token_rows = sympy.sympify(sites[0].rows.xreplace(features))
     token_free = sorted(token_rows.free_symbols, key=str)
     if not token_free:
         raise StaticTokensError(
@@ -301,11 +302,26 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         bindings=tuple(bindings.values()),
         input_shapes=tuple(input_shapes),
         outputs=tuple(outputs),
+        features={symbol: int(value) for symbol, value in features.items()},
     )
     ctx.spec = spec
     log.info("discovered %d varlen sites in %d attention groups", len(sites), len(attention_groups))
     log.debug("varlen spec:\n%s", spec.format())
     return gm
+
+
+def _feature_sizes(placeholder_nodes, parameters, simplify, shape_env) -> dict[sympy.Symbol, sympy.Integer]:
+    """Sizes that ``dynamic=True`` made symbolic in the trailing dims of packed inputs (feature widths), at their
+    traced values: packed inputs vary in dim 0 only. Bounds later pin them (a call must match them)."""
+    leading, trailing = set(), set()
+    for index, node in enumerate(placeholder_nodes):
+        value = example_value(node)
+        if index in parameters or not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            (trailing if dim else leading).update(simplify(size).free_symbols)
+    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    return {symbol: sympy.Integer(int(hints[symbol])) for symbol in trailing - leading if symbol in hints}
 
 
 def _output_args(gm: torch.fx.GraphModule):

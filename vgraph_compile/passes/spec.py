@@ -99,6 +99,8 @@ class VarlenSpec:
     """Per input, its shape with replacements applied (None for ints)."""
     outputs: tuple[tuple["sympy.Expr | int", ...] | "sympy.Expr | None", ...]
     """Per output, its shape (tensors), its value expression (ints), or None (other constants)."""
+    features: Mapping["sympy.Symbol", int] = field(default_factory=dict)
+    """Feature widths ``dynamic=True`` left symbolic, at their traced values (pinned in every bucket)."""
 
     def role_of(self, index: int) -> InputRole:
         return self.inputs[index]

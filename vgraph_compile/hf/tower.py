@@ -1,0 +1,220 @@
+"""``CompiledVisionTower``: a Qwen vision tower served by vgraph bucket graphs.
+
+Per call: check the inputs (before anything runs), pack the items into batches that fit the largest bucket,
+take each batch's grid metadata from the cache (computed on the host once per distinct batch grid), run the
+compiled tower, and put every item's rows back in the caller's order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+import torch
+
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.decorator import encoder
+from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.packing import Batch, pack
+from vgraph_compile.hf.towers import Grid, TowerKind, kind_of
+
+__all__ = ["CompiledVisionTower", "compile_vision_tower"]
+
+log = logging.getLogger(__name__)
+
+_METADATA_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "window_index", "cu_window_seqlens",
+                  "max_window_seqlen", "interp_indices", "interp_weights")
+
+
+class _TowerCall(torch.nn.Module):
+    """The traced forward: the tower with every grid-dependent value passed in, so nothing syncs the host.
+
+    The ``torch._check`` calls state what holds by construction (one position id, interpolation row per patch;
+    one window-index entry per merged token), so the trace gives those lengths one symbol.
+    """
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        super().__init__()
+        self.tower = tower
+        self.merge_unit = tower.spatial_merge_size ** 2
+
+    def forward(self, pixel_values, position_ids, cu_seqlens, max_seqlen, window_index=None, cu_window_seqlens=None,
+                max_window_seqlen=None, interp_indices=None, interp_weights=None):
+        patches = pixel_values.shape[0]
+        for per_patch in (position_ids, interp_indices, interp_weights):
+            if per_patch is not None:
+                torch._check(per_patch.shape[0] == patches)
+        if window_index is not None:
+            torch._check(window_index.shape[0] * self.merge_unit == patches)
+        given = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                     window_index=window_index, cu_window_seqlens=cu_window_seqlens,
+                     max_window_seqlen=max_window_seqlen, interp_indices=interp_indices, interp_weights=interp_weights)
+        out = self.tower(pixel_values, None, **{name: value for name, value in given.items() if value is not None})
+        return (out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ()))
+
+
+class CompiledVisionTower:
+    """Callable like the tower: ``(pixel_values, grid_thw) -> the tower's output object``."""
+
+    def __init__(self, tower: torch.nn.Module, config: VGraphConfig, metadata_cache_size: int = 1024) -> None:
+        self.tower = tower
+        self.kind: TowerKind = kind_of(tower)
+        self.config = config
+        self.geometry = config.geometry
+        self.compiled = encoder(_TowerCall(tower), config=config)
+        self._metadata: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
+        self._metadata_cache_size = metadata_cache_size
+        patch = self.geometry.patch_size
+        self.patch_width = tower.config.in_channels * self.geometry.temporal_patch_size * patch * patch
+        self.out_width = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+        self.split_calls = 0
+
+    @property
+    def runtimes(self):
+        """The vgraph runtimes behind this tower (one per dynamo trace; normally one)."""
+        return self.compiled.vgraph.runtimes
+
+    def stats_table(self) -> str:
+        return "\n".join(runtime.stats_table() for runtime in self.runtimes)
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+        if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}")
+        if grid_thw.is_floating_point():
+            raise ValueError(f"grid_thw must hold integers, got {grid_thw.dtype}")
+        grid = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+        merge = self.geometry.spatial_merge_size
+        for index, (t, h, w) in enumerate(grid):
+            if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
+                raise ValueError(
+                    f"grid_thw[{index}] = {(t, h, w)}: t, h, w must be positive and h, w multiples of the spatial "
+                    f"merge size {merge} (the image processor resizes images to that)"
+                )
+        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.patch_width:
+            raise ValueError(
+                f"pixel_values must be [patches, {self.patch_width}] (channels x temporal patch x patch x patch), "
+                f"got {tuple(pixel_values.shape)}"
+            )
+        rows = sum(t * h * w for t, h, w in grid)
+        if pixel_values.shape[0] != rows:
+            raise ValueError(
+                f"pixel_values has {pixel_values.shape[0]} rows but grid_thw describes sum(t*h*w) = {rows} patches: "
+                "pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
+            )
+        parameter = next(self.tower.parameters())
+        if pixel_values.device != parameter.device or pixel_values.dtype != parameter.dtype:
+            raise ValueError(
+                f"pixel_values is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
+                f"on {parameter.device}: convert with pixel_values.to(tower.device, tower.dtype)"
+            )
+        return grid
+
+    # -- per call ----------------------------------------------------------------------------------------------
+    def _metadata_for(self, grid: Grid, device: torch.device) -> dict:
+        key = (grid, device)
+        if key in self._metadata:
+            self._metadata.move_to_end(key)
+            return self._metadata[key]
+        host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
+        metadata = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()}
+        self._metadata[key] = metadata
+        if len(self._metadata) > self._metadata_cache_size:
+            self._metadata.popitem(last=False)
+        return metadata
+
+    def warmup(self) -> None:
+        """Trace, compile and capture every bucket with a synthetic image, before serving any call.
+
+        The image is one window tall and two wide, so the trace sees more windows than frames: that is how the
+        bounds pass tells the window group from the frame group (and so sizes each tightly).
+        """
+        if self.runtimes:
+            return
+        side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
+        grid = ((1, side, 2 * side),)
+        parameter = next(self.tower.parameters())
+        pixel_values = torch.randn(2 * side * side, self.patch_width, device=parameter.device, dtype=parameter.dtype)
+        with torch.no_grad(), routed_attention(self.tower):
+            self._run(pixel_values, grid)
+
+    def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
+        metadata = self._metadata_for(grid, pixel_values.device)
+        return self.compiled(pixel_values, *(metadata.get(name) for name in _METADATA_KEYS))
+
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
+        if kwargs:
+            raise ValueError(f"compiled towers take (pixel_values, grid_thw) only; got extra {sorted(kwargs)}")
+        grid = self._check(pixel_values, grid_thw)
+        self.warmup()
+        output_class = self.kind.output_class(self.tower)
+        if not grid:
+            empty = pixel_values.new_empty(0, self.out_width)
+            deep = {"deepstack_features": [empty] * len(self.tower.deepstack_merger_list)} if self.kind.deepstack else {}
+            return output_class(last_hidden_state=pixel_values.new_empty(0, self.tower.config.hidden_size),
+                                pooler_output=empty, **deep)
+        batches = pack(grid, self.config.budgets[-1], self.config.max_items, self.config.max_frames)
+        with routed_attention(self.tower):
+            if len(batches) == 1 and list(batches[0].items) == list(range(len(grid))):
+                outputs = self._run(pixel_values, tuple(grid))
+                return self._output(output_class, outputs[0], outputs[1], outputs[2:])
+            self.split_calls += 1
+            return self._split(output_class, pixel_values, grid, batches)
+
+    def _split(self, output_class, pixel_values, grid, batches: list[Batch]):
+        merge = self.geometry.spatial_merge_size ** 2
+        starts = [0]
+        for t, h, w in grid:
+            starts.append(starts[-1] + t * h * w)
+        pooled: list[Any] = [None] * len(grid)
+        hidden: list[Any] = [None] * len(grid)
+        deep: list[list[Any]] = []
+        for batch in batches:
+            rows = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in batch.items])
+            outputs = self._run(rows, tuple(grid[i] for i in batch.items))
+            offset = 0
+            for index in batch.items:
+                size = starts[index + 1] - starts[index]
+                pooled[index] = outputs[0][offset // merge:(offset + size) // merge]
+                hidden[index] = outputs[1][offset:offset + size]
+                for level, feature in enumerate(outputs[2:]):
+                    if len(deep) <= level:
+                        deep.append([None] * len(grid))
+                    deep[level][index] = feature[offset // merge:(offset + size) // merge]
+                offset += size
+        last_hidden = torch.cat(hidden) if self.kind.last_hidden_in_item_order else None
+        return self._output(output_class, torch.cat(pooled), last_hidden, [torch.cat(level) for level in deep])
+
+    def _output(self, output_class, pooled, last_hidden, deepstack):
+        fields = {"last_hidden_state": last_hidden, "pooler_output": pooled}
+        if self.kind.deepstack:
+            fields["deepstack_features"] = list(deepstack)
+        return output_class(**fields)
+
+
+def compile_vision_tower(
+    tower: torch.nn.Module,
+    token_budgets: list[int] | tuple[int, ...] | None = None,
+    max_items: int = 8,
+    max_frames: int | None = None,
+    **options: Any,
+) -> CompiledVisionTower:
+    """Compile ``model.visual`` with the vgraph backend, bounded by the tower's own geometry.
+
+    ``token_budgets`` count patches (rows of pixel_values; multiples of spatial_merge_size^2); ``max_items`` and
+    ``max_frames`` (temporal patches of all items; default max(max_items, 16)) bound one graph call, and larger
+    calls are split. Other ``options`` are ``VGraphConfig`` fields.
+    """
+    kind = kind_of(tower)
+    if tower.training:
+        raise ValueError("compile_vision_tower serves inference: call tower.eval() first")
+    config = VGraphConfig(
+        token_budgets=tuple(token_budgets) if token_budgets is not None else None,
+        geometry=kind.geometry(tower),
+        max_items=max_items,
+        max_frames=max(max_items, 16) if max_frames is None else max_frames,
+        max_segments=options.pop("max_segments", max_items),
+        **options,
+    )
+    return CompiledVisionTower(tower, config)
