@@ -51,6 +51,7 @@ input l_x_: tokens dims=[0]
 input s93: size
 input l_cu_full_: segment_offsets dims=[0] group=0
 input l_max_full_: max_seqlen group=0
+input s98: size
 input l_window_index_: gather_index dims=[0]
 input s28: size
 input l_cu_window_: segment_offsets dims=[0] group=1
