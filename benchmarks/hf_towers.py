@@ -1,0 +1,135 @@
+"""Real-size Qwen vision towers (random weights, bf16) on CUDA: vgraph vs the stock Hugging Face tower.
+
+Checks, then times, one tower per run:
+- bf16 outputs of ``compile_vision_tower`` and of the eager tower, both against the fp32 tower (relative error);
+- 50 random batches after warm-up: no dynamo retrace and no CUDA graph re-record;
+- median latency (CUDA events) of HF eager (sdpa) and vgraph on 1x224^2, 4x336^2, 1x1344^2 and a 16-frame 336^2
+  video.
+
+    python benchmarks/hf_towers.py qwen2.5-vl [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from vgraph_compile.hf import compile_vision_tower
+from vgraph_compile.runtime.cudagraph import recorded_graphs
+
+
+def build(name: str):
+    if name == "qwen2-vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel as Tower, Qwen2VLVisionConfig as Config)
+        config = Config(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584)
+    elif name == "qwen2.5-vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as Tower, Qwen2_5_VLVisionConfig as Config)
+        config = Config(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=3584,
+                        window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+    else:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+        config = Config(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096,
+                        deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304, patch_size=16)
+    torch.manual_seed(0)
+    return Tower._from_config(config, attn_implementation="sdpa").cuda().eval()
+
+
+def side(pixels: int, patch: int) -> int:
+    """Patches per side of a ``pixels``-wide image, rounded to the 2x2 merge (as the processor resizes)."""
+    return max(2, 2 * round(pixels / patch / 2))
+
+
+def median_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def relative(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("tower", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    fp32 = build(args.tower)
+    bf16 = build(args.tower).to(torch.bfloat16)
+    bf16.load_state_dict(fp32.state_dict())
+    patch = fp32.config.patch_size
+    width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
+    start = time.perf_counter()
+    tower = compile_vision_tower(bf16, token_budgets=[1024, 2048, 4096, 8192, 16384], max_items=8, max_frames=16)
+    tower.warmup()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start
+
+    rng = random.Random(0)
+
+    def random_batch():
+        grid = [(1, side(rng.randint(224, 1024), patch), side(rng.randint(224, 1024), patch))
+                for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.2:
+            grid.append((rng.choice([2, 4, 8]), side(336, patch), side(336, patch)))
+        return torch.tensor(grid)
+
+    def pixels(grid_thw, dtype):
+        return torch.randn(int(grid_thw.prod(-1).sum()), width, device="cuda", generator=None).to(dtype)
+
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tower": args.tower,
+              "warmup_s": round(warmup_s, 1), "errors": [], "cases": {}}
+    with torch.inference_mode():
+        for _ in range(10):
+            grid_thw = random_batch()
+            x = pixels(grid_thw, torch.float32)
+            ref = fp32(x, grid_thw).pooler_output
+            eager = bf16(x.bfloat16(), grid_thw).pooler_output
+            out = tower(x.bfloat16(), grid_thw).pooler_output
+            assert not out.isnan().any()
+            report["errors"].append((round(relative(out, ref), 5), round(relative(eager, ref), 5)))
+        graphs, traces = recorded_graphs(), len(tower.runtimes)
+        for _ in range(50):
+            grid_thw = random_batch()
+            tower(pixels(grid_thw, torch.bfloat16), grid_thw)
+        report["rerecords"] = recorded_graphs() - graphs
+        report["retraces"] = len(tower.runtimes) - traces
+        cases = {
+            "1x224^2": [(1, side(224, patch), side(224, patch))],
+            "4x336^2": [(1, side(336, patch), side(336, patch))] * 4,
+            "1x1344^2": [(1, side(1344, patch), side(1344, patch))],
+            "video 16f 336^2": [(8, side(336, patch), side(336, patch))],
+        }
+        for case, grid in cases.items():
+            grid_thw = torch.tensor(grid)
+            x = pixels(grid_thw, torch.bfloat16)
+            report["cases"][case] = {
+                "patches": int(grid_thw.prod(-1).sum()),
+                "hf_eager_sdpa_ms": round(median_ms(lambda: bf16(x, grid_thw)), 2),
+                "vgraph_ms": round(median_ms(lambda: tower(x, grid_thw)), 2),
+            }
+    print(json.dumps(report, indent=1))
+    print(tower.stats_table())
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
