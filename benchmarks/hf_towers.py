@@ -78,7 +78,8 @@ def main() -> None:
     width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
     start = time.perf_counter()
     tower = compile_vision_tower(bf16, token_budgets=[1024, 2048, 4096, 8192, 16384], max_items=8, max_frames=16)
-    tower.warmup()
+    with torch.inference_mode():
+        tower.warmup()
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
 

@@ -8,6 +8,7 @@ compiled tower, and put every item's rows back in the caller's order.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from typing import Any
 
@@ -128,7 +129,8 @@ class CompiledVisionTower:
         """Trace, compile and capture every bucket with a synthetic image, before serving any call.
 
         The image is one window tall and two wide, so the trace sees more windows than frames: that is how the
-        bounds pass tells the window group from the frame group (and so sizes each tightly).
+        bounds pass tells the window group from the frame group (and so sizes each tightly). Call it in the mode
+        calls will use (``torch.inference_mode()`` or ``torch.no_grad()``): dynamo guards on it.
         """
         if self.runtimes:
             return
@@ -136,7 +138,7 @@ class CompiledVisionTower:
         grid = ((1, side, 2 * side),)
         parameter = next(self.tower.parameters())
         pixel_values = torch.randn(2 * side * side, self.patch_width, device=parameter.device, dtype=parameter.dtype)
-        with torch.no_grad(), routed_attention(self.tower):
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
