@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,13 +17,16 @@ DEFAULT_MAX_TOKENS = 16384
 DEFAULT_MAX_SEGMENTS = 64
 
 
-def generate_budgets(min_tokens: int, max_tokens: int) -> tuple[int, ...]:
-    """Powers of two times ``min_tokens`` up to ``max_tokens``, and ``max_tokens`` itself: (64, 800) -> 64..512, 800."""
+def generate_budgets(min_tokens: int, max_tokens: int, growth: float = 2.0, multiple: int = 1) -> tuple[int, ...]:
+    """``min_tokens`` times powers of ``growth`` (rounded up to ``multiple``) below ``max_tokens``, then
+    ``max_tokens``: (64, 800) -> 64, 128, 256, 512, 800. A smaller growth means less padding, more graphs."""
     budgets = []
-    budget = min_tokens
-    while budget < max_tokens:
-        budgets.append(budget)
-        budget *= 2
+    budget = float(min_tokens)
+    while math.ceil(budget / multiple) * multiple < max_tokens:
+        rounded = math.ceil(budget / multiple) * multiple
+        if not budgets or rounded > budgets[-1]:
+            budgets.append(rounded)
+        budget *= growth
     budgets.append(max_tokens)
     return tuple(budgets)
 
@@ -41,6 +45,8 @@ class VGraphConfig:
     """Smallest generated budget (with ``token_budgets`` unset); default 1024."""
     max_tokens: int | None = None
     """Largest generated budget (with ``token_budgets`` unset); default 16384."""
+    budget_growth: float = 2.0
+    """Ratio between generated budgets: the worst-case padding is 1 - 1/growth (2.0: 50%, 1.5: 33%)."""
     max_segments: int | None = None
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
     attention_backend: Literal["auto", "sdpa", "torch_varlen"] = "auto"
@@ -94,7 +100,10 @@ class VGraphConfig:
                 )
             if low > high:
                 raise ValueError(f"VGraphConfig: min_tokens={low} > max_tokens={high}; swap them")
-            budgets = generate_budgets(low, high)
+            if self.budget_growth <= 1.0:
+                raise ValueError(f"VGraphConfig.budget_growth must be > 1, got {self.budget_growth}")
+            merge = self.geometry.spatial_merge_size ** 2 if self.geometry is not None else 1
+            budgets = generate_budgets(low, high, self.budget_growth, merge)
         object.__setattr__(self, "budgets", budgets)
 
         smallest = budgets[0]

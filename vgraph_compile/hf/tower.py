@@ -206,7 +206,8 @@ def compile_vision_tower(
 
     ``token_budgets`` count patches (rows of pixel_values; multiples of spatial_merge_size^2); ``max_items`` and
     ``max_frames`` (temporal patches of all items; default max(max_items, 16)) bound one graph call, and larger
-    calls are split. Other ``options`` are ``VGraphConfig`` fields.
+    calls are split. Other ``options`` are ``VGraphConfig`` fields; ``check_values`` defaults to False here, since
+    the offsets are built from the checked ``grid_thw`` (so no call reads device data back).
     """
     kind = kind_of(tower)
     if tower.training:
@@ -217,6 +218,7 @@ def compile_vision_tower(
         max_items=max_items,
         max_frames=max(max_items, 16) if max_frames is None else max_frames,
         max_segments=options.pop("max_segments", max_items),
+        check_values=options.pop("check_values", False),
         **options,
     )
     return CompiledVisionTower(tower, config)
