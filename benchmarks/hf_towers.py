@@ -20,26 +20,8 @@ import time
 import torch
 
 from vgraph_compile.hf import compile_vision_tower
+from vgraph_compile.models.qwen_towers import real_size_tower
 from vgraph_compile.runtime.cudagraph import recorded_graphs
-
-
-def build(name: str):
-    if name == "qwen2-vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel as Tower, Qwen2VLVisionConfig as Config)
-        config = Config(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584)
-    elif name == "qwen2.5-vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Tower, Qwen2_5_VLVisionConfig as Config)
-        config = Config(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=3584,
-                        window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
-    else:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig as Config
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
-        config = Config(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096,
-                        deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304, patch_size=16)
-    torch.manual_seed(0)
-    return Tower._from_config(config, attn_implementation="sdpa").cuda().eval()
 
 
 def side(pixels: int, patch: int) -> int:
@@ -71,8 +53,8 @@ def main() -> None:
     parser.add_argument("tower", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
     parser.add_argument("--json")
     args = parser.parse_args()
-    fp32 = build(args.tower)
-    bf16 = build(args.tower).to(torch.bfloat16)
+    fp32 = real_size_tower(args.tower, dtype=torch.float32)
+    bf16 = real_size_tower(args.tower, dtype=torch.bfloat16)
     bf16.load_state_dict(fp32.state_dict())
     patch = fp32.config.patch_size
     width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
