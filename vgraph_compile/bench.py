@@ -187,6 +187,8 @@ def run(args) -> dict[str, Any]:
                             recorded_graphs, peak)
             except TimeoutError as stop:
                 result.status = f"did not finish in {args.time_limit} s: {stop}"
+            except Exception as error:  # a system that breaks is reported, never dropped
+                result.status = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
         result.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
         report["systems"][name] = result.summary()
         for case, ms in result.cases_ms.items():
