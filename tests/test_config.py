@@ -38,3 +38,14 @@ def test_from_options():
     assert VGraphConfig.from_options({"token_budgets": [64, 128]}).budgets == (64, 128)
     with pytest.raises(ValueError, match=r"unknown vgraph option\(s\) \['budget'\]"):
         VGraphConfig.from_options({"budget": 4})
+
+
+def test_budget_growth_and_merge_multiple():
+    """growth 1.5 from 1024 to 16384, each a multiple of 4 (2x2 merge): at most 33% padding between budgets."""
+    from vgraph_compile.geometry import VisionGeometry
+
+    config = VGraphConfig(min_tokens=1024, max_tokens=16384, budget_growth=1.5, geometry=VisionGeometry(14))
+    assert config.budgets == (1024, 1536, 2304, 3456, 5184, 7776, 11664, 16384)
+    assert all(b % 4 == 0 for b in config.budgets)
+    with pytest.raises(ValueError, match="budget_growth must be > 1"):
+        VGraphConfig(budget_growth=1.0)
