@@ -11,8 +11,18 @@ from vgraph_compile.backend import VGraphBackend, runtimes, vgraph_backend
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.decorator import encoder
+from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.ops import varlen_attention
 
-__all__ = ["VGraphBackend", "VGraphConfig", "counters", "encoder", "runtimes", "varlen_attention", "vgraph_backend"]
+__all__ = [
+    "VGraphBackend",
+    "VGraphConfig",
+    "VisionGeometry",
+    "counters",
+    "encoder",
+    "runtimes",
+    "varlen_attention",
+    "vgraph_backend",
+]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
