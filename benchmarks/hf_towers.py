@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 
 import torch
 
+from vgraph_compile.bench import median_ms
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.models.qwen_towers import real_size_tower
 from vgraph_compile.runtime.cudagraph import recorded_graphs
@@ -28,20 +28,6 @@ def side(pixels: int, patch: int) -> int:
     """Patches per side of a ``pixels``-wide image, rounded to the 2x2 merge (as the processor resizes).
     The stock tower computes its metadata on grid_thw's device, so it gets grid_thw on the GPU."""
     return max(2, 2 * round(pixels / patch / 2))
-
-
-def median_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def relative(out, ref) -> float:
@@ -68,8 +54,10 @@ def main() -> None:
     rng = random.Random(0)
 
     def random_batch():
-        grid = [(1, side(rng.randint(224, 1024), patch), side(rng.randint(224, 1024), patch))
-                for _ in range(rng.randint(1, 4))]
+        grid = [
+            (1, side(rng.randint(224, 1024), patch), side(rng.randint(224, 1024), patch))
+            for _ in range(rng.randint(1, 4))
+        ]
         if rng.random() < 0.2:
             grid.append((rng.choice([2, 4, 8]), side(336, patch), side(336, patch)))
         return torch.tensor(grid)
@@ -77,8 +65,14 @@ def main() -> None:
     def pixels(grid_thw, dtype):
         return torch.randn(int(grid_thw.prod(-1).sum()), width, device="cuda", generator=None).to(dtype)
 
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tower": args.tower,
-              "warmup_s": round(warmup_s, 1), "errors": [], "cases": {}}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tower": args.tower,
+        "warmup_s": round(warmup_s, 1),
+        "errors": [],
+        "cases": {},
+    }
     with torch.inference_mode():
         for _ in range(10):
             grid_thw = random_batch()

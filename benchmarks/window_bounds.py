@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 import vgraph_compile
+from vgraph_compile.bench import median_ms
 from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
 from vgraph_compile.models.packed_vit import WindowedViT
 
@@ -26,20 +26,6 @@ CASES = {
 }
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(3):
-        fn()
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--depth", type=int, default=32)
@@ -47,12 +33,19 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = WindowedViT(patch_dim=1176, dim=1280, depth=args.depth, heads=16, out_dim=3584,
-                        full_attention_blocks=(7, 15, 23, 31)).cuda().to(torch.bfloat16).eval()
+    model = (
+        WindowedViT(
+            patch_dim=1176, dim=1280, depth=args.depth, heads=16, out_dim=3584, full_attention_blocks=(7, 15, 23, 31)
+        )
+        .cuda()
+        .to(torch.bfloat16)
+        .eval()
+    )
     systems = {"eager": model}
     for bound in ("tight", "conservative"):
-        systems[bound] = vgraph_compile.encoder(model, token_budgets=(1024, 4096, 16384), geometry=QWEN25_GEOMETRY,
-                                                max_items=8, window_bound=bound)
+        systems[bound] = vgraph_compile.encoder(
+            model, token_budgets=(1024, 4096, 16384), geometry=QWEN25_GEOMETRY, max_items=8, window_bound=bound
+        )
     results: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for case, grid in CASES.items():
@@ -70,12 +63,15 @@ def main() -> None:
         print(f"{name}: " + "; ".join(bucket.format() for bucket in runtime.ctx.buckets))
     print(f"{'case':>10} {'eager':>8} {'tight':>8} {'conserv.':>9} {'conserv./tight':>15}")
     for case, row in results.items():
-        print(f"{case:>10} {row['eager']:>8.2f} {row['tight']:>8.2f} {row['conservative']:>9.2f} "
-              f"{row['conservative'] / row['tight']:>14.2f}x")
+        print(
+            f"{case:>10} {row['eager']:>8.2f} {row['tight']:>8.2f} {row['conservative']:>9.2f} "
+            f"{row['conservative'] / row['tight']:>14.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ms": results}, handle,
-                      indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ms": results}, handle, indent=1
+            )
 
 
 if __name__ == "__main__":

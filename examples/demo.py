@@ -20,10 +20,18 @@ import vgraph_compile
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 SETTINGS = {
-    "cpu": dict(model=dict(patch_dim=588, dim=128, depth=4, heads=4, out_dim=256, merge=4), dtype=torch.float32,
-                budgets=[256, 512, 1024, 2048], max_side=24),
-    "cuda": dict(model=dict(patch_dim=1176, dim=1024, depth=24, heads=16, out_dim=2048, merge=4),
-                 dtype=torch.bfloat16, budgets=[1024, 2048, 4096, 8192, 16384], max_side=96),
+    "cpu": dict(
+        model=dict(patch_dim=588, dim=128, depth=4, heads=4, out_dim=256, merge=4),
+        dtype=torch.float32,
+        budgets=[256, 512, 1024, 2048],
+        max_side=24,
+    ),
+    "cuda": dict(
+        model=dict(patch_dim=1176, dim=1024, depth=24, heads=16, out_dim=2048, merge=4),
+        dtype=torch.bfloat16,
+        budgets=[1024, 2048, 4096, 8192, 16384],
+        max_side=96,
+    ),
 }
 
 
@@ -59,15 +67,18 @@ def main() -> None:
     compiled = torch.compile(
         model, backend="vgraph", dynamic=True, options={"token_budgets": setting["budgets"], "max_segments": 8}
     )
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"torch {torch.__version__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, "
-          f"{setting['dtype']}, budgets {setting['budgets']}")
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"torch {torch.__version__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, "
+        f"{setting['dtype']}, budgets {setting['budgets']}"
+    )
 
     requests = [random_request(rng, setting["max_side"]) for _ in range(args.requests)]
     requests.append([setting["budgets"][-1] + 64])  # one image over the largest budget: eager fallback
     with torch.inference_mode():
-        _, warmup_ms = timed(lambda: compiled(*pack_images(requests[0], patch_dim, device=device,
-                                                           dtype=setting["dtype"])), device)
+        _, warmup_ms = timed(
+            lambda: compiled(*pack_images(requests[0], patch_dim, device=device, dtype=setting["dtype"])), device
+        )
         print(f"warm-up (trace, compile and capture every bucket): {warmup_ms / 1e3:.1f} s")
         runtime = vgraph_compile.runtimes()[-1]
         per_bucket: dict[object, dict[str, list[float]]] = {}

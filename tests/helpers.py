@@ -12,7 +12,9 @@ from vgraph_compile.decorator import trace_options
 from vgraph_compile.passes.spec import PassContext
 
 
-def trace(model, *args, config: VGraphConfig | None = None, static_widths: bool = True) -> tuple[torch.fx.GraphModule, PassContext]:
+def trace(
+    model, *args, config: VGraphConfig | None = None, static_widths: bool = True
+) -> tuple[torch.fx.GraphModule, PassContext]:
     """The dynamo graph and a fresh ``PassContext`` for ``model(*args)``, as the vgraph backend receives them
     (``static_widths=False``: trailing dims left symbolic, as plain ``torch.compile(dynamic=True)`` leaves them)."""
     captured = {}
@@ -27,8 +29,9 @@ def trace(model, *args, config: VGraphConfig | None = None, static_widths: bool 
         torch.compile(model, backend=capture, dynamic=True, fullgraph=True)(*args)
     gm, inputs = captured["gm"], captured["inputs"]
     tensor = next(value for value in inputs if isinstance(value, torch.Tensor) and value.is_floating_point())
-    ctx = PassContext(inputs, captured["shape_env"], config or VGraphConfig(token_budgets=(64, 256)),
-                      tensor.device, tensor.dtype)
+    ctx = PassContext(
+        inputs, captured["shape_env"], config or VGraphConfig(token_budgets=(64, 256)), tensor.device, tensor.dtype
+    )
     return gm, ctx
 
 

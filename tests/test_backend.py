@@ -20,11 +20,17 @@ def test_string_backend_with_options():
     runs eagerly; the next size retraces with symbolic tokens and is served by the buckets."""
     torch._dynamo.reset()
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
-    compiled = torch.compile(model, backend="vgraph", dynamic=True,
-                             options={"token_budgets": [32, 64], "max_segments": 4, "compiler": "eager"})
+    compiled = torch.compile(
+        model,
+        backend="vgraph",
+        dynamic=True,
+        options={"token_budgets": [32, 64], "max_segments": 4, "compiler": "eager"},
+    )
     # sites_found: 1 in each of the 2 traces; nodes_rewritten: max_seqlen in each of 2 buckets
-    with torch.no_grad(), counters.expect(static_traces=1, traces=1, sites_found=2, buckets_compiled=2,
-                                          nodes_rewritten=2, replays=1):
+    with (
+        torch.no_grad(),
+        counters.expect(static_traces=1, traces=1, sites_found=2, buckets_compiled=2, nodes_rewritten=2, replays=1),
+    ):
         for lengths in ([5, 7], [30, 30]):
             inputs = pack_images(lengths, 12)
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)

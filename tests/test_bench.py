@@ -39,10 +39,29 @@ def test_flops_of_the_qwen25_tower_match_two_per_parameter_and_token():
 
 def test_merge_and_table(tmp_path):
     base = {"device": "gpu", "torch": "2.x", "model": "m", "workload": {}}
-    first = {**base, "systems": {"a": {"p50_ms": 1.0, "p99_ms": 2.0, "mean_ms": 1.5, "warmup_s": 1, "recompiles": 0,
-                                       "rerecords": 0, "peak_mem_gib": 1, "status": "ok"}}, "cases": {"c": {"a": 1.0}}}
-    second = {**base, "systems": {"b": {"warmup_s": 9, "recompiles": 0, "rerecords": 0, "peak_mem_gib": 1,
-                                        "status": "did not finish"}}, "cases": {"c": {"b": 3.0}}}
+    first = {
+        **base,
+        "systems": {
+            "a": {
+                "p50_ms": 1.0,
+                "p99_ms": 2.0,
+                "mean_ms": 1.5,
+                "warmup_s": 1,
+                "recompiles": 0,
+                "rerecords": 0,
+                "peak_mem_gib": 1,
+                "status": "ok",
+            }
+        },
+        "cases": {"c": {"a": 1.0}},
+    }
+    second = {
+        **base,
+        "systems": {
+            "b": {"warmup_s": 9, "recompiles": 0, "rerecords": 0, "peak_mem_gib": 1, "status": "did not finish"}
+        },
+        "cases": {"c": {"b": 3.0}},
+    }
     paths = []
     for index, report in enumerate((first, second)):
         paths.append(tmp_path / f"{index}.json")

@@ -2,8 +2,22 @@ from vgraph_compile.cli import main
 
 
 def test_explain_prints_table_derivation_and_roles(capsys):
-    main(["explain", "--patch-size", "14", "--window-size", "112", "--budgets", "1024", "4096", "--max-items", "8",
-          "--module", "vgraph_compile.models.examples:windowed_vit"])
+    main(
+        [
+            "explain",
+            "--patch-size",
+            "14",
+            "--window-size",
+            "112",
+            "--budgets",
+            "1024",
+            "4096",
+            "--max-items",
+            "8",
+            "--module",
+            "vgraph_compile.models.examples:windowed_vit",
+        ]
+    )
     out = capsys.readouterr().out
     assert "windows = Min(floor(B/m**2), floor(((w - 1)*Min(F, floor(B/m**2)) + floor(B/m**2))/w)) = 262" in out
     assert "input l_window_index_: gather_index dims=[0]" in out

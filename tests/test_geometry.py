@@ -120,9 +120,11 @@ def test_every_bound_is_reached(name):
                 assert slack == 0, f"{key} bound {bounds[key]} not reached ({reached[key]}) by {items[:3]}"
             if geometry.window_size and budget == 4096 and max_frames == 8:
                 w, merged = geometry.merged_window, budget // 4
-                report(f"{name} budget {budget}, 8 frames: windows bound {bounds['windows']} "
-                       f"(reached {measure(geometry, witnesses(geometry, budget, 8)['windows'])['windows']}); "
-                       f"vLLM S + ceil(T/w) = {8 + math.ceil(merged / w)}; token budget = {budget}")
+                report(
+                    f"{name} budget {budget}, 8 frames: windows bound {bounds['windows']} "
+                    f"(reached {measure(geometry, witnesses(geometry, budget, 8)['windows'])['windows']}); "
+                    f"vLLM S + ceil(T/w) = {8 + math.ceil(merged / w)}; token budget = {budget}"
+                )
     report(f"{name}: worst slack over budgets {BUDGETS} x frames (1, 8, 64): {worst}")
 
 

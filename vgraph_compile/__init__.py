@@ -26,3 +26,12 @@ __all__ = [
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str):
+    """``vgraph_compile.hf`` imports on first use (it needs transformers only when a tower is compiled)."""
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("vgraph_compile.hf")
+    raise AttributeError(f"module 'vgraph_compile' has no attribute {name!r}")

@@ -75,8 +75,9 @@ class VGraphBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if not _is_dynamic(example_inputs):
             return self._static_trace(
-                gm, "vgraph got a trace with static shapes. Pass dynamic=True to torch.compile (or use "
-                "vgraph_compile.encoder) to compile the token buckets on the first call."
+                gm,
+                "vgraph got a trace with static shapes. Pass dynamic=True to torch.compile (or use "
+                "vgraph_compile.encoder) to compile the token buckets on the first call.",
             )
         fake_mode = detect_fake_mode(example_inputs)
         activation = _first_activation(example_inputs)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["main", "trace", "CASES"]
+__all__ = ["main", "trace", "median_ms", "CASES_PX"]
 
 CASES_PX = {
     "1x224^2": [(1, 224, 224)],
@@ -32,8 +32,15 @@ CASES_PX = {
     "video 16f 336^2": [(16, 336, 336)],
 }
 """Fixed cases as (frames, height px, width px) per item."""
-SYSTEMS = ("hf_eager_sdpa", "eager_varlen", "torch_compile_dynamic", "torch_compile_reduce_overhead",
-           "exact_shape_oracle", "vgraph", "vgraph_conservative")
+SYSTEMS = (
+    "hf_eager_sdpa",
+    "eager_varlen",
+    "torch_compile_dynamic",
+    "torch_compile_reduce_overhead",
+    "exact_shape_oracle",
+    "vgraph",
+    "vgraph_conservative",
+)
 
 
 def to_grid(items_px, patch: int, temporal: int, merge: int) -> list[tuple[int, int, int]]:
@@ -78,11 +85,21 @@ class Result:
         lat = sorted(self.latencies_ms)
         stats = {}
         if lat:
-            stats = {"p50_ms": round(statistics.median(lat), 2), "p99_ms": round(lat[min(len(lat) - 1,
-                     int(0.99 * len(lat)))], 2), "mean_ms": round(statistics.mean(lat), 2)}
-        return {**stats, "requests": len(lat), "warmup_s": round(self.warmup_s, 1), "recompiles": self.recompiles,
-                "rerecords": self.rerecords, "peak_mem_gib": round(self.peak_mem_gib, 2), "status": self.status,
-                **self.extra}
+            stats = {
+                "p50_ms": round(statistics.median(lat), 2),
+                "p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
+                "mean_ms": round(statistics.mean(lat), 2),
+            }
+        return {
+            **stats,
+            "requests": len(lat),
+            "warmup_s": round(self.warmup_s, 1),
+            "recompiles": self.recompiles,
+            "rerecords": self.rerecords,
+            "peak_mem_gib": round(self.peak_mem_gib, 2),
+            "status": self.status,
+            **self.extra,
+        }
 
 
 def _event_ms(fn: Callable[[], Any]) -> float:
@@ -94,6 +111,13 @@ def _event_ms(fn: Callable[[], Any]) -> float:
     return start.elapsed_time(end)
 
 
+def median_ms(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
+    """Median of ``repeats`` CUDA-event timings of ``fn``, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_event_ms(fn) for _ in range(repeats))
+
+
 def _unique_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
@@ -101,10 +125,7 @@ def _unique_graphs() -> int:
 def matmul_peak_tflops() -> float:
     """Measured bf16 matmul rate (8192^3, median of 10), the MFU denominator."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    ms = statistics.median(_event_ms(lambda: a @ b) for _ in range(10))
-    return 2 * 8192**3 / ms / 1e9
+    return 2 * 8192**3 / median_ms(lambda: a @ b, repeats=10) / 1e9
 
 
 def tower_flops(tower, grid) -> float:
@@ -121,10 +142,10 @@ def tower_flops(tower, grid) -> float:
     for block in range(config.depth):
         segment = sum(f * f for f in frames) if (block in full_blocks or not gated) else tokens * window
         flops += 4 * segment * width
-    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-    merged = tokens // config.spatial_merge_size ** 2
+    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    merged = tokens // config.spatial_merge_size**2
     out = getattr(config, "out_hidden_size", None) or config.hidden_size
-    merge_width = width * config.spatial_merge_size ** 2
+    merge_width = width * config.spatial_merge_size**2
     return flops + 2 * tokens * patch_dim * width + 2 * merged * merge_width * (merge_width + out)
 
 
@@ -139,7 +160,7 @@ def run(args) -> dict[str, Any]:
     config = tower.config
     merge = config.spatial_merge_size
     grid_of = lambda items: to_grid(items, config.patch_size, config.temporal_patch_size, merge)  # noqa: E731
-    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
     requests = [grid_of(items) for items in trace(args.seed, args.requests)]
     cases = {name: grid_of(items) for name, items in CASES_PX.items()}
 
@@ -162,14 +183,24 @@ def run(args) -> dict[str, Any]:
         "torch_compile_dynamic": lambda: stock(torch.compile(tower, dynamic=True)),
         "torch_compile_reduce_overhead": lambda: stock(torch.compile(tower, mode="reduce-overhead")),
         "vgraph": lambda: compile_vision_tower(tower, max_items=8, max_frames=16, **budgets),
-        "vgraph_conservative": lambda: compile_vision_tower(tower, max_items=8, max_frames=16,
-                                                            window_bound="conservative", **budgets),
+        "vgraph_conservative": lambda: compile_vision_tower(
+            tower, max_items=8, max_frames=16, window_bound="conservative", **budgets
+        ),
     }
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "model": f"{args.tower} vision tower (real config sizes, random weights, bf16)",
-                              "workload": {"requests": args.requests, "seed": args.seed, "cases": CASES_PX,
-                                           "budget_growth": args.budget_growth, "min_tokens": args.min_tokens},
-                              "systems": {}, "cases": {}}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": f"{args.tower} vision tower (real config sizes, random weights, bf16)",
+        "workload": {
+            "requests": args.requests,
+            "seed": args.seed,
+            "cases": CASES_PX,
+            "budget_growth": args.budget_growth,
+            "min_tokens": args.min_tokens,
+        },
+        "systems": {},
+        "cases": {},
+    }
     peak = matmul_peak_tflops()
     report["bf16_matmul_peak_tflops"] = round(peak, 1)
     for name in args.systems:
@@ -183,8 +214,19 @@ def run(args) -> dict[str, Any]:
                 if name == "exact_shape_oracle":
                     _oracle(tower, cases, inputs, result, deadline, args, compile_vision_tower)
                 else:
-                    _system(name, factories[name], requests, cases, inputs, result, deadline, args, tower,
-                            recorded_graphs, peak)
+                    _system(
+                        name,
+                        factories[name],
+                        requests,
+                        cases,
+                        inputs,
+                        result,
+                        deadline,
+                        args,
+                        tower,
+                        recorded_graphs,
+                        peak,
+                    )
             except TimeoutError as stop:
                 result.status = f"did not finish in {args.time_limit} s: {stop}"
             except Exception as error:  # a system that breaks is reported, never dropped
@@ -228,8 +270,7 @@ def _system(name, factory, requests, cases, inputs, result, deadline, args, towe
     result.rerecords = recorded_graphs() - graphs
     for case, grid in cases.items():
         x, grid_thw = inputs(grid)
-        fn(x, grid_thw)
-        result.cases_ms[case] = statistics.median(_event_ms(lambda: fn(x, grid_thw)) for _ in range(args.repeats))
+        result.cases_ms[case] = median_ms(lambda: fn(x, grid_thw), args.repeats, warmup=1)
         _check_deadline(deadline, f"case {case}")
     if hasattr(fn, "warmup"):
         stats = [bucket.stats for runtime in fn.runtimes for bucket in runtime.buckets]
@@ -246,13 +287,14 @@ def _oracle(tower, cases, inputs, result, deadline, args, compile_vision_tower):
     for case, grid in cases.items():
         tokens = sum(t * h * w for t, h, w in grid)
         start = time.perf_counter()
-        exact = compile_vision_tower(tower, token_budgets=[tokens], max_items=max(4, len(grid)),
-                                     max_frames=max(16, sum(t for t, _, _ in grid)))
+        exact = compile_vision_tower(
+            tower, token_budgets=[tokens], max_items=max(4, len(grid)), max_frames=max(16, sum(t for t, _, _ in grid))
+        )
         x, grid_thw = inputs(grid)
         exact(x, grid_thw)
         torch.cuda.synchronize()
         warmups.append(time.perf_counter() - start)
-        result.cases_ms[case] = statistics.median(_event_ms(lambda: exact(x, grid_thw)) for _ in range(args.repeats))
+        result.cases_ms[case] = median_ms(lambda: exact(x, grid_thw), args.repeats, warmup=0)
         _check_deadline(deadline, f"case {case}")
     result.warmup_s = statistics.mean(warmups)
     result.extra["warmup_is"] = "mean per case (one exact-shape compile each)"
@@ -272,12 +314,16 @@ def merge(paths: list[str]) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     lines = [f"{report['device']}, torch {report['torch']}, {report['model']}"]
-    lines.append(f"{'system':>30} {'p50':>8} {'p99':>8} {'mean':>8} {'warmup s':>9} {'recomp':>7} {'rerec':>6} "
-                 f"{'mem GiB':>8}  status")
+    lines.append(
+        f"{'system':>30} {'p50':>8} {'p99':>8} {'mean':>8} {'warmup s':>9} {'recomp':>7} {'rerec':>6} "
+        f"{'mem GiB':>8}  status"
+    )
     for name, row in report["systems"].items():
-        lines.append(f"{name:>30} {row.get('p50_ms', '-'):>8} {row.get('p99_ms', '-'):>8} {row.get('mean_ms', '-'):>8} "
-                     f"{row['warmup_s']:>9} {row['recompiles']:>7} {row['rerecords']:>6} {row['peak_mem_gib']:>8}  "
-                     f"{row['status']}")
+        lines.append(
+            f"{name:>30} {row.get('p50_ms', '-'):>8} {row.get('p99_ms', '-'):>8} {row.get('mean_ms', '-'):>8} "
+            f"{row['warmup_s']:>9} {row['recompiles']:>7} {row['rerecords']:>6} {row['peak_mem_gib']:>8}  "
+            f"{row['status']}"
+        )
     systems = list(report["systems"])
     lines.append("\n" + f"{'case ms':>16} " + " ".join(f"{name[:14]:>14}" for name in systems))
     for case, row in report["cases"].items():
@@ -305,8 +351,10 @@ def plot(report: dict[str, Any], path: str) -> None:
     left.set_yscale("log")
     left.legend(fontsize=7)
     left.set_title(f"{report['model']}\n{report['device']}", fontsize=9)
-    ratios = [report["cases"][c].get("vgraph", float("nan")) / report["cases"][c].get("exact_shape_oracle", float("nan"))
-              for c in cases]
+    ratios = [
+        report["cases"][c].get("vgraph", float("nan")) / report["cases"][c].get("exact_shape_oracle", float("nan"))
+        for c in cases
+    ]
     right.bar(cases, ratios)
     right.axhline(1.10, color="red", linestyle="--", label="1.10x target")
     right.set_ylabel("vgraph / exact-shape oracle")

@@ -49,8 +49,13 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     if not attribute:
         raise SystemExit(f"--module takes path:attr (a factory returning (encoder, example_args)), got {spec!r}")
     encoder, example_args = getattr(importlib.import_module(module_name), attribute)()
-    config = VGraphConfig(token_budgets=tuple(args.budgets), geometry=geometry, max_items=args.max_items,
-                          max_frames=args.max_frames, compiler="eager")
+    config = VGraphConfig(
+        token_budgets=tuple(args.budgets),
+        geometry=geometry,
+        max_items=args.max_items,
+        max_frames=args.max_frames,
+        compiler="eager",
+    )
     backend = VGraphBackend(config)
     with trace_options(example_args), torch.no_grad():
         torch.compile(encoder, backend=backend, dynamic=True, fullgraph=True)(*example_args)

@@ -95,14 +95,12 @@ class VGraphConfig:
             low = DEFAULT_MIN_TOKENS if self.min_tokens is None else self.min_tokens
             high = max(low, DEFAULT_MAX_TOKENS) if self.max_tokens is None else self.max_tokens
             if low <= 0 or high <= 0:
-                raise ValueError(
-                    f"VGraphConfig: min_tokens={low} and max_tokens={high} must both be positive"
-                )
+                raise ValueError(f"VGraphConfig: min_tokens={low} and max_tokens={high} must both be positive")
             if low > high:
                 raise ValueError(f"VGraphConfig: min_tokens={low} > max_tokens={high}; swap them")
             if self.budget_growth <= 1.0:
                 raise ValueError(f"VGraphConfig.budget_growth must be > 1, got {self.budget_growth}")
-            merge = self.geometry.spatial_merge_size ** 2 if self.geometry is not None else 1
+            merge = self.geometry.spatial_merge_size**2 if self.geometry is not None else 1
             budgets = generate_budgets(low, high, self.budget_growth, merge)
         object.__setattr__(self, "budgets", budgets)
 

@@ -27,6 +27,11 @@ def _varlen_attention(
     scale: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
+    """Attention of packed ``[tokens, heads, head_dim]`` q/k/v within the segments ``cu_seqlens`` marks.
+
+    ``backend`` names an implementation in ``vgraph_compile.backends`` (``"auto"``: FlashAttention-2 for
+    fp16/bf16 on CUDA, the SDPA reference elsewhere). A compiled graph replaces it with the configured one.
+    """
     kernel = backends.resolve(backend, q.device, q.dtype).load()
     out = kernel(q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
     rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
@@ -39,22 +44,6 @@ def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="auto"):
 
 
 VARLEN_ATTENTION = torch.ops.vgraph.varlen_attention
-"""The op packet; FX graphs from dynamo hold the packet, graphs after AOT its ``.default`` overload."""
+"""The op packet (graphs hold its ``.default`` overload)."""
 
-
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Attention of packed ``[tokens, heads, head_dim]`` q/k/v within the segments ``cu_seqlens`` marks.
-
-    ``backend`` names an implementation in ``vgraph_compile.backends`` (``"auto"``: FlashAttention-2 for
-    fp16/bf16 on CUDA, the SDPA reference elsewhere). A compiled graph replaces it with the configured one.
-    """
-    return VARLEN_ATTENTION(q, k, v, cu_seqlens, max_seqlen, scale, backend)
+varlen_attention = _varlen_attention

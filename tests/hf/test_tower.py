@@ -16,13 +16,17 @@ grids = st.lists(rows, min_size=1, max_size=6)
 
 @pytest.fixture(scope="module")
 def compiled(towers):
-    return {name: compile_vision_tower(tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager",
-                                       attention_backend="sdpa") for name, tower in towers.items()}
+    return {
+        name: compile_vision_tower(
+            tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa"
+        )
+        for name, tower in towers.items()
+    }
 
 
 def _inputs(tower, grid):
     grid_thw = torch.tensor(grid)
-    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size ** 2
+    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
     return torch.randn(int(grid_thw.prod(-1).sum()), width), grid_thw
 
 
@@ -30,7 +34,9 @@ def _assert_same(out, ref, item_order_hidden=True):
     torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=1e-5, atol=1e-5)
     if out.last_hidden_state is not None or item_order_hidden:
         torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
-    for mine, theirs in zip(getattr(out, "deepstack_features", None) or (), getattr(ref, "deepstack_features", None) or ()):
+    for mine, theirs in zip(
+        getattr(out, "deepstack_features", None) or (), getattr(ref, "deepstack_features", None) or ()
+    ):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -74,7 +80,7 @@ def test_split_and_eager_fallback_paths(towers, compiled, name):
 )
 def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, message):
     tower = towers["qwen2-vl"]
-    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size ** 2
+    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
     with counters.expect(), pytest.raises(ValueError, match=message):
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
     with pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):

@@ -17,9 +17,12 @@ def _bounds(gm, ctx):
 def test_bucket_sizes(tiny):
     """Tokens solve to the budget, segments to max_segments (+1 offsets), max_seqlen to the budget."""
     _, gm, ctx = tiny
-    assert_expected_inline(_bounds(gm, ctx), """\
+    assert_expected_inline(
+        _bounds(gm, ctx),
+        """\
 budget 16: segments=[4] max_seqlen=[16] (s40<=5 s7<=16 s84<=16)
-budget 64: segments=[4] max_seqlen=[64] (s40<=5 s7<=64 s84<=64)""")
+budget 64: segments=[4] max_seqlen=[64] (s40<=5 s7<=64 s84<=64)""",
+    )
 
 
 def test_output_ranges_from_bound_sympy(tiny):
@@ -46,9 +49,17 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
 
         return varlen_attention(q, q, q, cu, max_seqlen)
 
-    gm, ctx = trace(encoder, torch.randn(10, 6), torch.tensor([0, 4, 10], dtype=torch.int32), 6,
-                    config=VGraphConfig(token_budgets=(16,), max_segments=2), static_widths=False)
-    assert_expected_inline(_bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)""")
+    gm, ctx = trace(
+        encoder,
+        torch.randn(10, 6),
+        torch.tensor([0, 4, 10], dtype=torch.int32),
+        6,
+        config=VGraphConfig(token_budgets=(16,), max_segments=2),
+        static_widths=False,
+    )
+    assert_expected_inline(
+        _bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)"""
+    )
 
 
 def _windowed(config_fields):
@@ -63,14 +74,20 @@ def test_geometry_sizes_frames_and_windows():
     """The window group (more segments in the trace) gets the tight window bound and max_seqlen w^2 m^2 = 64;
     the frame group max_items frames and the whole budget as max_seqlen."""
     gm, ctx = _windowed({})
-    assert_expected_inline(_bounds(gm, ctx), """\
+    assert_expected_inline(
+        _bounds(gm, ctx),
+        """\
 budget 1024: segments=[67, 4] max_seqlen=[64, 1024] (s11<=68 s24<=64 s40<=5 s7<=1024 s98<=256)
-budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (s11<=260 s24<=64 s40<=5 s7<=4096 s98<=1024)""")
+budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (s11<=260 s24<=64 s40<=5 s7<=4096 s98<=1024)""",
+    )
 
 
 def test_conservative_window_bound_for_the_ablation():
     """window_bound='conservative' sizes window segments by the token budget, as vLLM did before #42796."""
     gm, ctx = _windowed({"window_bound": "conservative"})
-    assert_expected_inline(_bounds(gm, ctx), """\
+    assert_expected_inline(
+        _bounds(gm, ctx),
+        """\
 budget 1024: segments=[1024, 4] max_seqlen=[64, 1024] (s11<=1025 s24<=64 s40<=5 s7<=1024 s98<=256)
-budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (s11<=4097 s24<=64 s40<=5 s7<=4096 s98<=1024)""")
+budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (s11<=4097 s24<=64 s40<=5 s7<=4096 s98<=1024)""",
+    )

@@ -14,7 +14,9 @@ def test_roles_from_data_flow(tiny):
     before = gm.code
     discover_varlen.run(gm, ctx)
     assert gm.code == before, "an analysis must not change the graph"
-    assert_expected_inline(ctx.spec.format(), """\
+    assert_expected_inline(
+        ctx.spec.format(),
+        """\
 tokens: s84 (symbol s84)
 group 0: offsets=l_cu_seqlens_ segments=s40 - 1 sites=['attended']
 input s84: size
@@ -22,7 +24,8 @@ input l_patches_: tokens dims=[0]
 input s40: size
 input l_cu_seqlens_: segment_offsets dims=[0] group=0
 input l_max_seqlen_: max_seqlen group=0
-inputs: 18 parameters and module state (used in place)""")
+inputs: 18 parameters and module state (used in place)""",
+    )
 
 
 class TwoGroups(torch.nn.Module):
@@ -42,7 +45,9 @@ def test_groups_and_index_roles():
     cu_window = torch.tensor([0, 8, 16, 24, 32], dtype=torch.int32)
     gm, ctx = trace(TwoGroups(), x, cu_full, 16, cu_window, 8, torch.randperm(32))
     discover_varlen.run(gm, ctx)
-    assert_expected_inline(ctx.spec.format(), """\
+    assert_expected_inline(
+        ctx.spec.format(),
+        """\
 tokens: s77 (symbol s77)
 group 0: offsets=l_cu_full_ segments=s93 - 1 sites=['full']
 group 1: offsets=l_cu_window_ segments=s28 - 1 sites=['window']
@@ -56,7 +61,8 @@ input l_window_index_: gather_index dims=[0]
 input s28: size
 input l_cu_window_: segment_offsets dims=[0] group=1
 input l_max_window_: max_seqlen group=1
-inputs: 0 parameters and module state (used in place)""")
+inputs: 0 parameters and module state (used in place)""",
+    )
 
 
 def test_refuses_a_graph_without_varlen_attention():

@@ -15,19 +15,22 @@ from vgraph_compile.runtime import padding
 
 
 def _site(gm):
-    return next(node for node in gm.graph.nodes if node.target is VARLEN_ATTENTION)
+    return next(node for node in gm.graph.nodes if node.target is VARLEN_ATTENTION.default)
 
 
 def test_pad_varlen_bakes_the_bound_and_the_backend(tiny):
     """max_seqlen becomes the bucket constant and backend the configured kernel; nothing else changes."""
     _, gm, ctx = tiny
     pass_manager.analyze(gm, ctx)
-    assert str(_site(gm).args[3:]) == "(l_cu_seqlens_, l_max_seqlen_, None, 'auto')"
+    assert str(_site(gm).args[3:]) == "(l_cu_seqlens_, l_max_seqlen_)"
     rewritten = pass_manager.apply_pass(
         "pad_varlen", pad_varlen.run, copy.deepcopy(gm), dataclasses.replace(ctx, bucket=ctx.buckets[1])
     )
-    assert_expected_inline(str(_site(rewritten).format_node()), """%attended : [num_users=1] = call_function[target=torch.ops.vgraph.varlen_attention](args = (%q, %k, %v, %l_cu_seqlens_, 64, None, sdpa), kwargs = {})""")
-    assert op_count(rewritten, VARLEN_ATTENTION) == op_count(gm, VARLEN_ATTENTION) == 1
+    assert_expected_inline(
+        str(_site(rewritten).format_node()),
+        """%attended : [num_users=1] = call_function[target=torch.ops.vgraph.varlen_attention.default](args = (%q, %k, %v, %l_cu_seqlens_, 64), kwargs = {backend: sdpa})""",
+    )
+    assert op_count(rewritten, VARLEN_ATTENTION.default) == op_count(gm, VARLEN_ATTENTION.default) == 1
     assert len(list(rewritten.graph.nodes)) == len(list(gm.graph.nodes))
 
 
@@ -38,7 +41,9 @@ def test_specialize_leaves_a_static_graph_with_no_inputs(tiny):
     static = pass_manager.build_bucket_graph(gm, ctx, ctx.buckets[0])
     assert not list(static.graph.find_nodes(op="placeholder"))
     assert static.state_0 is model.embed.weight
-    assert_expected_inline(graph_str(static), """\
+    assert_expected_inline(
+        graph_str(static),
+        """\
 class GraphModule(torch.nn.Module):
     def forward(self):
         state_0: "f32[16, 12]" = self.state_0
@@ -78,7 +83,7 @@ class GraphModule(torch.nn.Module):
         k: "f32[16, 2, 8]" = unbind[1]
         v: "f32[16, 2, 8]" = unbind[2];  unbind = None
 
-        attended: "f32[16, 2, 8]" = torch.ops.vgraph.varlen_attention(q, k, v, input_9, 16, None, 'sdpa');  q = k = v = input_9 = None
+        attended: "f32[16, 2, 8]" = torch.ops.vgraph.varlen_attention.default(q, k, v, input_9, 16, backend = 'sdpa');  q = k = v = input_9 = None
 
         reshape: "f32[16, 16]" = attended.reshape(16, -1);  attended = None
         linear_2: "f32[16, 16]" = torch._C._nn.linear(reshape, state_11, state_12);  reshape = state_11 = state_12 = None
@@ -95,7 +100,8 @@ class GraphModule(torch.nn.Module):
         reshape_1: "f32[16, 16]" = x_3.reshape(-1, 16);  x_3 = None
         linear_5: "f32[16, 8]" = torch._C._nn.linear(reshape_1, state_21, state_22);  reshape_1 = state_21 = state_22 = None
         return (linear_5,)
-""")
+""",
+    )
 
     patches, cu, max_seqlen = pack_images([5, 7], 12)
     for role in ctx.spec.inputs:

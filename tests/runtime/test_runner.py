@@ -23,8 +23,9 @@ def model():
 @pytest.fixture(scope="module")
 def compiled(model):
     """Static bucket graphs run as FX graphs (compiler='eager'): fast to build, same passes and runtime."""
-    return vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager",
-                                  attention_backend="sdpa")
+    return vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
+    )
 
 
 segments = st.lists(st.integers(1, 48), min_size=1, max_size=6).filter(lambda lengths: sum(lengths) <= 200)
@@ -41,22 +42,29 @@ def test_matches_eager_on_generated_shapes(model, compiled, lengths):
 @pytest.mark.parametrize(
     "lengths, bucket",
     [
-        ([1, 1, 1], 16),           # 1-token segments
-        ([16], 16),                # one segment filling a budget exactly
-        ([60, 4], 64),             # a call exactly at a budget
-        ([17], 64),                # one token over a budget: the next one
-        ([1] * 6, 16),             # as many segments as max_segments
-        ([1] * 7, None),           # more segments than any bucket holds: eager
-        ([129], None),             # over the largest budget: eager
+        ([1, 1, 1], 16),  # 1-token segments
+        ([16], 16),  # one segment filling a budget exactly
+        ([60, 4], 64),  # a call exactly at a budget
+        ([17], 64),  # one token over a budget: the next one
+        ([1] * 6, 16),  # as many segments as max_segments
+        ([1] * 7, None),  # more segments than any bucket holds: eager
+        ([129], None),  # over the largest budget: eager
     ],
 )
 def test_bucket_choice_and_fallback(model, compiled, lengths, bucket):
     runtime = compiled.vgraph.runtimes[0] if compiled.vgraph.runtimes else None
     inputs = pack_images(lengths, 12)
-    with torch.no_grad(), counters.expect(replays=int(bucket is not None), eager_fallbacks=int(bucket is None),
-                                          traces=int(runtime is None), sites_found=2 * int(runtime is None),
-                                          buckets_compiled=3 * int(runtime is None),
-                                          nodes_rewritten=6 * int(runtime is None)):
+    with (
+        torch.no_grad(),
+        counters.expect(
+            replays=int(bucket is not None),
+            eager_fallbacks=int(bucket is None),
+            traces=int(runtime is None),
+            sites_found=2 * int(runtime is None),
+            buckets_compiled=3 * int(runtime is None),
+            nodes_rewritten=6 * int(runtime is None),
+        ),
+    ):
         # first use: 2 sites found once; 3 buckets compiled, each rewriting max_seqlen and backend of 2 sites
         hits_before = {b.shape.budget: b.stats.hits for b in runtime.buckets} if runtime else {}
         out = compiled(*inputs)
@@ -72,8 +80,8 @@ def test_stats_table(model):
         for lengths in ([8], [8, 8], [40], [100]):
             compiled(*pack_images(lengths, 12))
     table = compiled.vgraph.runtimes[0].stats_table()
-    assert "      16       [4]        [16]      2   25.0%" in table       # 8 and 16 real rows of 2 x 16
-    assert "      64       [4]        [64]      1   37.5%" in table       # 40 of 64
+    assert "      16       [4]        [16]      2   25.0%" in table  # 8 and 16 real rows of 2 x 16
+    assert "      64       [4]        [64]      1   37.5%" in table  # 40 of 64
     assert "eager fallback x1: no bucket holds" in table
 
 
@@ -115,8 +123,11 @@ def test_inductor_buckets_serve_100_calls_from_one_trace(model):
 
 
 grids = st.lists(
-    st.tuples(st.sampled_from([1, 1, 2]), st.integers(1, 6).map(lambda a: 2 * a), st.integers(1, 6).map(lambda b: 2 * b)),
-    min_size=1, max_size=4,
+    st.tuples(
+        st.sampled_from([1, 1, 2]), st.integers(1, 6).map(lambda a: 2 * a), st.integers(1, 6).map(lambda b: 2 * b)
+    ),
+    min_size=1,
+    max_size=4,
 )
 
 
@@ -127,8 +138,15 @@ def windowed():
 
     torch.manual_seed(0)
     model = WindowedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
-    compiled = vgraph_compile.encoder(model, token_budgets=(64, 256), compiler="eager", geometry=QWEN25_GEOMETRY,
-                                      max_items=4, max_frames=8, attention_backend="sdpa")
+    compiled = vgraph_compile.encoder(
+        model,
+        token_budgets=(64, 256),
+        compiler="eager",
+        geometry=QWEN25_GEOMETRY,
+        max_items=4,
+        max_frames=8,
+        attention_backend="sdpa",
+    )
     return model, compiled
 
 

@@ -60,8 +60,7 @@ def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> Attentio
         return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
     if name not in BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} "
-            "(VGraphConfig.attention_backend)"
+            f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
         )
     backend = BACKENDS[name]
     if not backend.supports(device, dtype):

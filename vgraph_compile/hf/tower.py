@@ -24,8 +24,16 @@ __all__ = ["CompiledVisionTower", "compile_vision_tower"]
 
 log = logging.getLogger(__name__)
 
-_METADATA_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "window_index", "cu_window_seqlens",
-                  "max_window_seqlen", "interp_indices", "interp_weights")
+_METADATA_KEYS = (
+    "position_ids",
+    "cu_seqlens",
+    "max_seqlen",
+    "window_index",
+    "cu_window_seqlens",
+    "max_window_seqlen",
+    "interp_indices",
+    "interp_weights",
+)
 
 
 class _TowerCall(torch.nn.Module):
@@ -38,19 +46,36 @@ class _TowerCall(torch.nn.Module):
     def __init__(self, tower: torch.nn.Module) -> None:
         super().__init__()
         self.tower = tower
-        self.merge_unit = tower.spatial_merge_size ** 2
+        self.merge_unit = tower.spatial_merge_size**2
 
-    def forward(self, pixel_values, position_ids, cu_seqlens, max_seqlen, window_index=None, cu_window_seqlens=None,
-                max_window_seqlen=None, interp_indices=None, interp_weights=None):
+    def forward(
+        self,
+        pixel_values,
+        position_ids,
+        cu_seqlens,
+        max_seqlen,
+        window_index=None,
+        cu_window_seqlens=None,
+        max_window_seqlen=None,
+        interp_indices=None,
+        interp_weights=None,
+    ):
         patches = pixel_values.shape[0]
         for per_patch in (position_ids, interp_indices, interp_weights):
             if per_patch is not None:
                 torch._check(per_patch.shape[0] == patches)
         if window_index is not None:
             torch._check(window_index.shape[0] * self.merge_unit == patches)
-        given = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                     window_index=window_index, cu_window_seqlens=cu_window_seqlens,
-                     max_window_seqlen=max_window_seqlen, interp_indices=interp_indices, interp_weights=interp_weights)
+        given = dict(
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            window_index=window_index,
+            cu_window_seqlens=cu_window_seqlens,
+            max_window_seqlen=max_window_seqlen,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+        )
         out = self.tower(pixel_values, None, **{name: value for name, value in given.items() if value is not None})
         return (out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ()))
 
@@ -82,7 +107,9 @@ class CompiledVisionTower:
     # -- checks ------------------------------------------------------------------------------------------------
     def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
         if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
-            raise ValueError(f"grid_thw must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}")
+            raise ValueError(
+                f"grid_thw must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}"
+            )
         if grid_thw.is_floating_point():
             raise ValueError(f"grid_thw must hold integers, got {grid_thw.dtype}")
         grid = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
@@ -119,7 +146,9 @@ class CompiledVisionTower:
             self._metadata.move_to_end(key)
             return self._metadata[key]
         host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
-        metadata = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()}
+        metadata = {
+            name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()
+        }
         self._metadata[key] = metadata
         if len(self._metadata) > self._metadata_cache_size:
             self._metadata.popitem(last=False)
@@ -153,9 +182,12 @@ class CompiledVisionTower:
         output_class = self.kind.output_class(self.tower)
         if not grid:
             empty = pixel_values.new_empty(0, self.out_width)
-            deep = {"deepstack_features": [empty] * len(self.tower.deepstack_merger_list)} if self.kind.deepstack else {}
-            return output_class(last_hidden_state=pixel_values.new_empty(0, self.tower.config.hidden_size),
-                                pooler_output=empty, **deep)
+            deep = (
+                {"deepstack_features": [empty] * len(self.tower.deepstack_merger_list)} if self.kind.deepstack else {}
+            )
+            return output_class(
+                last_hidden_state=pixel_values.new_empty(0, self.tower.config.hidden_size), pooler_output=empty, **deep
+            )
         batches = pack(grid, self.config.budgets[-1], self.config.max_items, self.config.max_frames)
         with routed_attention(self.tower):
             if len(batches) == 1 and list(batches[0].items) == list(range(len(grid))):
@@ -165,7 +197,7 @@ class CompiledVisionTower:
             return self._split(output_class, pixel_values, grid, batches)
 
     def _split(self, output_class, pixel_values, grid, batches: list[Batch]):
-        merge = self.geometry.spatial_merge_size ** 2
+        merge = self.geometry.spatial_merge_size**2
         starts = [0]
         for t, h, w in grid:
             starts.append(starts[-1] + t * h * w)
@@ -173,17 +205,17 @@ class CompiledVisionTower:
         hidden: list[Any] = [None] * len(grid)
         deep: list[list[Any]] = []
         for batch in batches:
-            rows = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in batch.items])
+            rows = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in batch.items])
             outputs = self._run(rows, tuple(grid[i] for i in batch.items))
             offset = 0
             for index in batch.items:
                 size = starts[index + 1] - starts[index]
-                pooled[index] = outputs[0][offset // merge:(offset + size) // merge]
-                hidden[index] = outputs[1][offset:offset + size]
+                pooled[index] = outputs[0][offset // merge : (offset + size) // merge]
+                hidden[index] = outputs[1][offset : offset + size]
                 for level, feature in enumerate(outputs[2:]):
                     if len(deep) <= level:
                         deep.append([None] * len(grid))
-                    deep[level][index] = feature[offset // merge:(offset + size) // merge]
+                    deep[level][index] = feature[offset // merge : (offset + size) // merge]
                 offset += size
         last_hidden = torch.cat(hidden) if self.kind.last_hidden_in_item_order else None
         return self._output(output_class, torch.cat(pooled), last_hidden, [torch.cat(level) for level in deep])

@@ -36,7 +36,9 @@ def _windows(tower, grid: torch.Tensor) -> dict:
     from transformers.vision_utils import get_vision_window_index
 
     window_index, cu_window_seqlens = get_vision_window_index(
-        grid, spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
+        grid,
+        spatial_merge_size=tower.spatial_merge_size,
+        window_size=tower.window_size,
         patch_size=tower.patch_size,
     )
     return {
@@ -51,8 +53,11 @@ def _interpolation(tower, grid: torch.Tensor) -> dict:
     from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
     interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
-        grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
-        align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
+        grid,
+        num_grid_per_side=tower.num_grid_per_side,
+        mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners,
+        spatial_merge_size=tower.config.spatial_merge_size,
     )
     return {**_frames(tower, grid), "interp_indices": interp_indices, "interp_weights": interp_weights}
 

@@ -7,15 +7,41 @@ import torch
 __all__ = ["REAL_SIZES", "real_size_tower"]
 
 REAL_SIZES = {
-    "qwen2-vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel",
-                 "Qwen2VLVisionConfig", dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584)),
-    "qwen2.5-vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel",
-                   "Qwen2_5_VLVisionConfig", dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
-                                                  out_hidden_size=3584, window_size=112,
-                                                  fullatt_block_indexes=[7, 15, 23, 31])),
-    "qwen3-vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel", "Qwen3VLVisionConfig",
-                 dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096,
-                      deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304, patch_size=16)),
+    "qwen2-vl": (
+        "transformers.models.qwen2_vl.modeling_qwen2_vl",
+        "Qwen2VisionTransformerPretrainedModel",
+        "Qwen2VLVisionConfig",
+        dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
+    ),
+    "qwen2.5-vl": (
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        "Qwen2_5_VLVisionConfig",
+        dict(
+            depth=32,
+            hidden_size=1280,
+            num_heads=16,
+            intermediate_size=3420,
+            out_hidden_size=3584,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+    ),
+    "qwen3-vl": (
+        "transformers.models.qwen3_vl.modeling_qwen3_vl",
+        "Qwen3VLVisionModel",
+        "Qwen3VLVisionConfig",
+        dict(
+            depth=27,
+            hidden_size=1152,
+            num_heads=16,
+            intermediate_size=4304,
+            out_hidden_size=4096,
+            deepstack_visual_indexes=[8, 16, 24],
+            num_position_embeddings=2304,
+            patch_size=16,
+        ),
+    ),
 }
 """Vision towers of Qwen2-VL-7B, Qwen2.5-VL-7B and Qwen3-VL-8B: (module, tower class, config class, config)."""
 

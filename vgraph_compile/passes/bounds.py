@@ -86,8 +86,12 @@ def _follow_guards(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
             if not isinstance(expr, sympy.Eq):
                 continue
             for unknown, known in ((expr.lhs, expr.rhs), (expr.rhs, expr.lhs)):
-                if (isinstance(unknown, sympy.Symbol) and unknown not in values
-                        and known.free_symbols and known.free_symbols <= set(values)):
+                if (
+                    isinstance(unknown, sympy.Symbol)
+                    and unknown not in values
+                    and known.free_symbols
+                    and known.free_symbols <= set(values)
+                ):
                     value = known.xreplace({s: sympy.Integer(v) for s, v in values.items()})
                     if value.is_Integer:
                         values[unknown] = int(value)
@@ -156,11 +160,7 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
 def output_ranges(ctx: PassContext, bucket: BucketShape) -> list[list[ValueRanges]]:
     """Range of every output dim over the calls this bucket serves (``bound_sympy`` over [1, value])."""
     ranges = {symbol: ValueRanges(1, value) for symbol, value in bucket.values.items()}
-    return [
-        [bound_sympy(size, ranges) for size in shape]
-        for shape in ctx.spec.outputs
-        if isinstance(shape, tuple)
-    ]
+    return [[bound_sympy(size, ranges) for size in shape] for shape in ctx.spec.outputs if isinstance(shape, tuple)]
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

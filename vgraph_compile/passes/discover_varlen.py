@@ -10,9 +10,11 @@ Cases handled:
 3. A site's max_seqlen, when symbolic, marks the int inputs it comes from as that group's MAX_SEQLEN.
 4. Integer inputs reaching an index argument are GATHER_INDEX when the indexed dim is symbolic, else TABLE_INDEX.
 5. Budgets count the packed rows of the first site (the token expression); other sites may attend over rows
-   that other roles bound (e.g. a window permutation). Tensors with a symbolic dim are TOKENS; module state is PARAMETER; other tensors STATIC; other ints SIZE.
+   that other roles bound (e.g. a window permutation). Tensors with a symbolic dim are TOKENS; module state is
+   PARAMETER; other tensors STATIC; other ints SIZE. Feature widths left symbolic are recorded at their value.
 6. Refused with a ValueError: no site, a data-dependent value (``.item()``/``.tolist()`` would sync the host
-   inside a graph), cu_seqlens not int32 or not traceable to one input, a symbol no budget bounds.
+   inside a graph), cu_seqlens not int32 or not traceable to one input. A trace whose token count is a constant
+   raises ``StaticTokensError`` (the backend runs it eagerly and says how to get a dynamic trace).
 """
 
 from __future__ import annotations
@@ -187,9 +189,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if len(offsets_inputs) != 1:
             raise ValueError(f"q and k offsets of {node.format_node()} come from different inputs; vgraph needs one")
         (offsets_index,) = offsets_inputs
-        group = groups.setdefault(
-            offsets_index, {"index": len(groups), "max": set(), "sites": [], "lengths": lengths}
-        )
+        group = groups.setdefault(offsets_index, {"index": len(groups), "max": set(), "sites": [], "lengths": lengths})
         group["sites"].append(node.name)
         for argument in op.max_seqlen:
             bound = get_argument(node, argument)
@@ -227,7 +227,10 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         length = simplify(example_value(placeholder_nodes[offsets_index]).shape[0])
         role = Role.SEGMENT_LENGTHS if group["lengths"] else Role.SEGMENT_OFFSETS
         roles[offsets_index] = InputRole(
-            offsets_index, placeholder_nodes[offsets_index].name, role, (0,) if length.free_symbols else (),
+            offsets_index,
+            placeholder_nodes[offsets_index].name,
+            role,
+            (0,) if length.free_symbols else (),
             group["index"],
         )
         for bound_index in sorted(group["max"]):

@@ -13,7 +13,8 @@ Cases handled:
 
 Before/After (budget 64)::
 
-    varlen_attention(q, k, v, l_cu_, l_max_seqlen_)       varlen_attention(q, k, v, l_cu_, 64, None, 'sdpa')
+    varlen_attention.default(q, k, v, l_cu_, l_max_seqlen_)
+    varlen_attention.default(q, k, v, l_cu_, 64, backend='sdpa')
 """
 
 from __future__ import annotations

@@ -109,9 +109,7 @@ class VarlenSpec:
         lines = [f"tokens: {self.token_rows} (symbol {self.token_symbol})"]
         for group in self.groups:
             offsets = self.inputs[group.offsets_input].name
-            lines.append(
-                f"group {group.index}: offsets={offsets} segments={group.segments} sites={list(group.sites)}"
-            )
+            lines.append(f"group {group.index}: offsets={offsets} segments={group.segments} sites={list(group.sites)}")
         lines += [f"input {role.format()}" for role in self.inputs if role.role is not Role.PARAMETER]
         state = sum(role.role is Role.PARAMETER for role in self.inputs)
         lines.append(f"inputs: {state} parameters and module state (used in place)")
