@@ -102,8 +102,23 @@ class VarlenSpec:
     features: Mapping["sympy.Symbol", int] = field(default_factory=dict)
     """Feature widths ``dynamic=True`` left symbolic, at their traced values (pinned in every bucket)."""
 
-    def role_of(self, index: int) -> InputRole:
-        return self.inputs[index]
+    def describe(self, symbol: "sympy.Symbol") -> str:
+        """A size symbol in the user's terms: ``patches.shape[0]`` or ``max_seqlen`` (dynamo's ``l_x_`` -> ``x``)."""
+        places = [(index, dim) for bound, index, dim in self._all_bindings() if bound == symbol]
+        places.sort(key=lambda place: place[1] is None)
+        if not places:
+            return str(symbol)
+        index, dim = places[0]
+        name = self.inputs[index].name
+        name = name[2:-1] if name.startswith("l_") and name.endswith("_") else name
+        return name if dim is None else f"{name}.shape[{dim}]"
+
+    def _all_bindings(self):
+        yield from self.bindings
+        for index, shape in enumerate(self.input_shapes):
+            for dim, size in enumerate(shape or ()):
+                if getattr(size, "is_Symbol", False):
+                    yield size, index, dim
 
     def format(self) -> str:
         lines = [f"tokens: {self.token_rows} (symbol {self.token_symbol})"]

@@ -53,6 +53,7 @@ class BucketStats:
 class _Bucket:
     shape: BucketShape
     module: torch.fx.GraphModule
+    """The static graph (owner of the buffers), for inspection."""
     run: cudagraph.StaticFn
     buffers: dict[int, torch.Tensor]
     stats: BucketStats
@@ -147,15 +148,20 @@ class VGraphRuntime:
                     "Build it as F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)"
                 )
 
+    def _violations(self, shape: BucketShape, sizes: dict[sympy.Symbol, int]) -> list[str]:
+        """Why a call of ``sizes`` does not fit ``shape`` (empty when it fits): a bounded size over its bound,
+        or a pinned size that differs."""
+        violations = []
+        for symbol, value in shape.values.items():
+            real = sizes.get(symbol, value)
+            if symbol in shape.fixed and real != value:
+                violations.append(f"{self.spec.describe(symbol)}={real} != {value}")
+            elif symbol not in shape.fixed and real > value:
+                violations.append(f"{self.spec.describe(symbol)}={real} > {value}")
+        return sorted(violations)
+
     def _choose(self, sizes: dict[sympy.Symbol, int]) -> _Bucket | None:
-        for bucket in self.buckets:
-            shape = bucket.shape
-            if all(
-                sizes.get(symbol, value) == value if symbol in shape.fixed else sizes.get(symbol, 0) <= value
-                for symbol, value in shape.values.items()
-            ):
-                return bucket
-        return None
+        return next((bucket for bucket in self.buckets if not self._violations(bucket.shape, sizes)), None)
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -190,13 +196,9 @@ class VGraphRuntime:
         self.warmup()
         bucket = self._choose(sizes)
         if bucket is None:
-            largest = self.buckets[-1].shape
-            over = sorted(
-                f"{symbol} != {value}" if symbol in largest.fixed else f"{symbol} > {value}"
-                for symbol, value in largest.values.items()
-                if (sizes.get(symbol, value) != value if symbol in largest.fixed else sizes.get(symbol, 0) > value)
-            )
-            return self._miss(f"no bucket holds {', '.join(over)}", args, f" ({self._describe(sizes)})")
+            over = self._violations(self.buckets[-1].shape, sizes)
+            reason = "no bucket holds " + ", ".join(violation.split("=")[0] for violation in over)
+            return self._miss(reason, args, f" ({', '.join(over)})")
         for role in self._copied:
             if role.index in bucket.buffers:
                 padding.fill(role.role, bucket.buffers[role.index], args[role.index])
@@ -207,9 +209,6 @@ class VGraphRuntime:
         return self._narrow(outputs, sizes)
 
     # -- reporting ---------------------------------------------------------------------------------------------
-    def _describe(self, sizes: dict[sympy.Symbol, int]) -> str:
-        return ", ".join(f"{symbol}={value}" for symbol, value in sorted(sizes.items(), key=str))
-
     def stats_table(self) -> str:
         """Per-bucket hits and padding, and the eager fallbacks, as a printable table."""
         lines = [f"{'budget':>8} {'segments':>9} {'max_seqlen':>11} {'hits':>6} {'padded':>7}"]
@@ -226,7 +225,3 @@ class VGraphRuntime:
     @property
     def hits(self) -> int:
         return sum(bucket.stats.hits for bucket in self.buckets)
-
-    @property
-    def eager_calls(self) -> int:
-        return sum(miss.count for miss in self.misses.values())
