@@ -44,6 +44,7 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     from vgraph_compile.backend import VGraphBackend
     from vgraph_compile.config import VGraphConfig
     from vgraph_compile.decorator import trace_options
+    from vgraph_compile.passes.bounds import output_ranges
 
     module_name, _, attribute = spec.partition(":")
     if not attribute:
@@ -60,7 +61,13 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     with trace_options(example_args), torch.no_grad():
         torch.compile(encoder, backend=backend, dynamic=True, fullgraph=True)(*example_args)
     runtime = backend.runtimes[-1]
-    return "\n".join([runtime.spec.format(), *(bucket.format() for bucket in runtime.ctx.buckets)])
+    lines = [runtime.spec.format()]
+    for bucket in runtime.ctx.buckets:
+        outputs = "; ".join(
+            "[" + ", ".join(f"{r.lower}..{r.upper}" for r in dims) + "]" for dims in output_ranges(runtime.ctx, bucket)
+        )
+        lines.append(f"{bucket.format()}; outputs {outputs}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ import sympy
 import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
+from vgraph_compile.passes.fx_utils import traced_values
 from vgraph_compile.passes.spec import BucketShape, PassContext
 
 __all__ = ["run", "solve_for", "window_groups"]
@@ -45,17 +46,16 @@ def solve_for(expr: sympy.Expr, target: int, what: str) -> tuple[sympy.Symbol, i
     return symbol, int(min(solutions))
 
 
-def _hints(ctx: PassContext) -> dict:
-    return getattr(ctx.shape_env, "backed_var_to_val", None) or ctx.shape_env.var_to_val
-
-
 def window_groups(ctx: PassContext) -> set[int] | None:
     """Indices of the window-attention groups: those whose traced call had more segments than the fewest;
     None when the trace cannot tell frames from windows (several groups with equal counts)."""
     groups = ctx.spec.groups
     if len(groups) == 1 or ctx.config.geometry.window_size is None:
         return set()
-    counts = [int(group.segments.xreplace({s: sympy.Integer(v) for s, v in _hints(ctx).items()})) for group in groups]
+    counts = [
+        int(group.segments.xreplace({s: sympy.Integer(v) for s, v in traced_values(ctx.shape_env).items()}))
+        for group in groups
+    ]
     if len(set(counts)) == 1:
         log.info("traced call has equal frame and window counts: sizing every group for both")
         return None
@@ -133,15 +133,8 @@ def _bucket(ctx: PassContext, budget: int) -> BucketShape:
             symbols |= size.free_symbols
     symbols |= {binding[0] for binding in spec.bindings}
     _follow_guards(ctx, values)
-    unrelated = symbols - set(values)
-    if unrelated:
-        log.warning(
-            "sizes %s are tied to no budget: pinned at their traced values (other values run eagerly); relate "
-            "them to the token count in the encoder, e.g. torch._check(x.shape[0] == tokens)",
-            sorted(map(str, unrelated)),
-        )
-    fixed = frozenset(unrelated) | frozenset(spec.features)
-    hints = _hints(ctx)
+    fixed = frozenset(symbols - set(values)) | frozenset(spec.features)
+    hints = traced_values(ctx.shape_env)
     for symbol in fixed:
         values[symbol] = int(hints[symbol])
     substitution = {symbol: sympy.Integer(value) for symbol, value in values.items()}
@@ -165,6 +158,13 @@ def output_ranges(ctx: PassContext, bucket: BucketShape) -> list[list[ValueRange
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     ctx.buckets = tuple(_bucket(ctx, budget) for budget in ctx.config.budgets)
+    unrelated = ctx.buckets[0].fixed - set(ctx.spec.features)
+    if unrelated:
+        log.warning(
+            "sizes %s are tied to no budget: pinned at their traced values (other values run eagerly); relate "
+            "them to the token count in the encoder, e.g. torch._check(x.shape[0] == tokens)",
+            sorted(ctx.spec.describe(symbol) for symbol in unrelated),
+        )
     for bucket in ctx.buckets:
         log.debug("%s", bucket.format())
     return gm

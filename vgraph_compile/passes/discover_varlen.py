@@ -30,7 +30,7 @@ from torch._dynamo import source as dynamo_source
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from vgraph_compile.counters import counters
-from vgraph_compile.passes.fx_utils import ancestors, example_value, get_argument, op_name
+from vgraph_compile.passes.fx_utils import ancestors, example_value, get_argument, op_name, traced_values
 from vgraph_compile.passes.spec import AttentionGroup, InputRole, PassContext, Role, VarlenSite, VarlenSpec
 
 __all__ = ["run", "VARLEN_OPS", "VarlenOp", "StaticTokensError"]
@@ -323,7 +323,7 @@ def _feature_sizes(placeholder_nodes, parameters, simplify, shape_env) -> dict[s
             continue
         for dim, size in enumerate(value.shape):
             (trailing if dim else leading).update(simplify(size).free_symbols)
-    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    hints = traced_values(shape_env)
     return {symbol: sympy.Integer(int(hints[symbol])) for symbol in trailing - leading if symbol in hints}
 
 

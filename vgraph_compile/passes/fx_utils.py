@@ -55,6 +55,11 @@ def example_value(node: torch.fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def traced_values(shape_env) -> dict:
+    """The value each backed symbol had in the traced call (``backed_var_to_val``; ``var_to_val`` before it)."""
+    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+
+
 def ancestors(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
     """Every node ``node`` depends on, itself included, each once."""
     seen: set[torch.fx.Node] = set()
