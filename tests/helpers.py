@@ -28,10 +28,8 @@ def trace(
     with trace_options(args if static_widths else ()):
         torch.compile(model, backend=capture, dynamic=True, fullgraph=True)(*args)
     gm, inputs = captured["gm"], captured["inputs"]
-    tensor = next(value for value in inputs if isinstance(value, torch.Tensor) and value.is_floating_point())
-    ctx = PassContext(
-        inputs, captured["shape_env"], config or VGraphConfig(token_budgets=(64, 256)), tensor.device, tensor.dtype
-    )
+    device = next(value.device for value in inputs if isinstance(value, torch.Tensor))
+    ctx = PassContext(inputs, captured["shape_env"], config or VGraphConfig(token_budgets=(64, 256)), device)
     return gm, ctx
 
 

@@ -44,16 +44,12 @@ def _is_dynamic(example_inputs: list[Any]) -> bool:
     )
 
 
-def _first_activation(example_inputs: list[Any]) -> torch.Tensor:
-    floating = [
-        value
-        for value in example_inputs
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_floating_point()
-    ]
-    tensors = floating or [value for value in example_inputs if isinstance(value, torch.Tensor)]
-    if not tensors:
+def _device(example_inputs: list[Any]) -> torch.device:
+    inputs = [value for value in example_inputs if isinstance(value, torch.Tensor)]
+    if not inputs:
         raise ValueError("the traced encoder takes no tensor input: nothing for vgraph to bucket")
-    return tensors[0]
+    activations = [value for value in inputs if not isinstance(value, torch.nn.Parameter)]
+    return (activations or inputs)[0].device
 
 
 class VGraphBackend:
@@ -80,13 +76,11 @@ class VGraphBackend:
                 "vgraph_compile.encoder) to compile the token buckets on the first call.",
             )
         fake_mode = detect_fake_mode(example_inputs)
-        activation = _first_activation(example_inputs)
         ctx = PassContext(
             example_inputs=list(example_inputs),
             shape_env=fake_mode.shape_env,
             config=self.config,
-            device=activation.device,
-            dtype=activation.dtype,
+            device=_device(example_inputs),
         )
         try:
             pass_manager.analyze(gm, ctx)

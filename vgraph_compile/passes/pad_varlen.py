@@ -9,7 +9,7 @@ Cases handled:
 1. max_seqlen is a symbolic int (an input, or a size expression): replaced by the bucket's bound.
 2. max_seqlen is already a Python int in the graph: left alone (dynamo guards it).
 3. ``backend="auto"`` (or any name) on ``vgraph::varlen_attention``: replaced by the configured backend resolved
-   for the graph's device and dtype.
+   for the device and dtype of that site's q.
 
 Before/After (budget 64)::
 
@@ -26,7 +26,7 @@ import torch.fx
 from vgraph_compile import backends
 from vgraph_compile.counters import counters
 from vgraph_compile.passes.discover_varlen import VARLEN_OPS
-from vgraph_compile.passes.fx_utils import get_argument, op_name, set_argument
+from vgraph_compile.passes.fx_utils import example_value, get_argument, op_name, set_argument
 from vgraph_compile.passes.spec import PassContext
 
 __all__ = ["run", "select_backend"]
@@ -42,11 +42,15 @@ def _sites(gm: torch.fx.GraphModule):
 
 
 def select_backend(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
-    """Point every ``vgraph::varlen_attention`` at the configured kernel; returns the nodes changed."""
-    backend = backends.resolve(ctx.config.attention_backend, ctx.device, ctx.dtype).name
+    """Point every ``vgraph::varlen_attention`` at the configured kernel, resolved for the device and dtype of its
+    own q; returns the nodes changed."""
     rewritten = 0
     for node, op in _sites(gm):
-        if op.backend is not None and get_argument(node, op.backend) != backend:
+        if op.backend is None:
+            continue
+        q = example_value(get_argument(node, op.q))
+        backend = backends.resolve(ctx.config.attention_backend, q.device, q.dtype).name
+        if get_argument(node, op.backend) != backend:
             set_argument(node, op.backend, backend)
             rewritten += 1
     return rewritten

@@ -160,7 +160,7 @@ class PassContext:
     shape_env: Any
     config: "VGraphConfig"
     device: "torch.device"
-    dtype: "torch.dtype"
+    """Where the encoder runs (its first tensor input's device)."""
     spec: VarlenSpec | None = None
     buckets: tuple[BucketShape, ...] = ()
     bucket: BucketShape | None = None
