@@ -190,7 +190,7 @@ class CompiledVisionTower:
             )
         batches = pack(grid, self.config.budgets[-1], self.config.max_items, self.config.max_frames)
         with routed_attention(self.tower):
-            if len(batches) == 1 and list(batches[0].items) == list(range(len(grid))):
+            if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
                 outputs = self._run(pixel_values, tuple(grid))
                 return self._output(output_class, outputs[0], outputs[1], outputs[2:])
             self.split_calls += 1
