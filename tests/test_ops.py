@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 from tests.helpers import segment_reference
 from vgraph_compile import backends
-from vgraph_compile.ops import VARLEN_ATTENTION, varlen_attention
+from vgraph_compile.ops import VARLEN_ATTENTION, packed_varlen_attention, varlen_attention
 
 segment_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6)
 
@@ -58,6 +58,29 @@ def test_opcheck():
 def test_resolve_rejects_unknown_and_unsupported_backends():
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         backends.resolve("flash", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="torch_varlen needs CUDA"):
+    with pytest.raises(ValueError, match="'torch_varlen' cannot run on cpu"):
         backends.resolve("torch_varlen", torch.device("cpu"), torch.bfloat16)
     assert backends.resolve("auto", torch.device("cpu"), torch.bfloat16).name == "sdpa"
+
+
+@given(lengths=segment_lists, padding=st.integers(0, 8))
+def test_packed_reference_reads_element_offsets_like_the_kernel(lengths, padding):
+    """Q/K/O offsets count heads*head_dim per row, V offsets the fused qkv stride (3x): real rows equal the
+    per-segment reference, rows past the last offset are zero."""
+    if sum(lengths) + padding == 0:
+        padding = 1
+    rows = sum(lengths) + padding
+    q, k, v = torch.randn(rows, 3, 2, 8).unbind(1)
+    cu = _packed(lengths)[3]
+    packed = torch.cat([cu * 16, cu * v.stride(0)])
+    out = packed_varlen_attention(q.contiguous(), k.contiguous(), v, packed, max(lengths))
+    torch.testing.assert_close(out.double(), segment_reference(q, k, v, cu), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
+    q, k, v = torch.randn(4, 3, 2, 8).unbind(1)
+    packed = torch.tensor([0, 64, 0, 192], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q and k need contiguous rows"):
+        packed_varlen_attention(q, k, v, packed, 4)
+    with pytest.raises(ValueError, match="reads packed"):
+        varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="packed_reference")

@@ -14,7 +14,7 @@ import torch
 
 from vgraph_compile import backends
 
-__all__ = ["varlen_attention", "VARLEN_ATTENTION"]
+__all__ = ["varlen_attention", "VARLEN_ATTENTION", "packed_varlen_attention", "PACKED_VARLEN_ATTENTION"]
 
 
 @torch.library.custom_op("vgraph::varlen_attention", mutates_args=())
@@ -32,8 +32,13 @@ def _varlen_attention(
     ``backend`` names an implementation in ``vgraph_compile.backends`` (``"auto"``: FlashAttention-2 for
     fp16/bf16 on CUDA, the SDPA reference elsewhere). A compiled graph replaces it with the configured one.
     """
-    kernel = backends.resolve(backend, q.device, q.dtype).load()
-    out = kernel(q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
+    resolved = backends.resolve(backend, q.device, q.dtype)
+    if resolved.packed:
+        raise ValueError(
+            f"backend {backend!r} reads packed [Q/K/O | V] offsets: call packed_varlen_attention, or compile with "
+            "vgraph, whose lower_packed pass builds them"
+        )
+    out = resolved.load()(q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
     rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
     return out.masked_fill_((rows >= cu_seqlens[-1])[:, None, None], 0)
 
@@ -47,3 +52,44 @@ VARLEN_ATTENTION = torch.ops.vgraph.varlen_attention
 """The op packet (graphs hold its ``.default`` overload)."""
 
 varlen_attention = _varlen_attention
+
+
+@torch.library.custom_op("vgraph::packed_varlen_attention", mutates_args=())
+def packed_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed_offsets: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str = "packed_reference",
+) -> torch.Tensor:
+    """Varlen attention on FlashInfer's packed element offsets: int32 ``[Q/K/O offsets | V offsets]``, each half
+    ``segments + 1`` long and padded with its own last value.
+
+    q and k rows must be contiguous (``heads * head_dim`` apart), like the output, so one half serves all three;
+    v may be a strided view (of a fused qkv output), its offsets counted in its own stride. Rows past the last
+    Q/K/O offset come out zero.
+    """
+    row = q.shape[1] * q.shape[2]
+    dense_rows = all(
+        (t.shape[0] <= 1 or t.stride(0) == row) and t.stride(1) == t.shape[2] and t.stride(2) == 1 for t in (q, k)
+    )
+    if not dense_rows:
+        raise ValueError(
+            f"packed offsets share one Q/K/O half: q and k need contiguous rows (strides {q.stride()} and "
+            f"{k.stride()}); pass q.contiguous() and k.contiguous()"
+        )
+    kernel = backends.resolve(backend, q.device, q.dtype).load()
+    out = kernel(q, k, v, packed_offsets, max_seqlen, scale).contiguous()
+    end = packed_offsets[packed_offsets.shape[0] // 2 - 1] // row
+    rows = torch.arange(q.shape[0], device=q.device, dtype=packed_offsets.dtype)
+    return out.masked_fill_((rows >= end)[:, None, None], 0)
+
+
+@packed_varlen_attention.register_fake
+def _(q, k, v, packed_offsets, max_seqlen, scale=None, backend="packed_reference"):
+    return q.new_empty(q.shape)
+
+
+PACKED_VARLEN_ATTENTION = torch.ops.vgraph.packed_varlen_attention

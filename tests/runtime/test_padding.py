@@ -34,3 +34,31 @@ def test_two_padded_dims():
     buffer = torch.full((4, 5), float("nan"))
     fill(Role.TOKENS, buffer, value)
     assert buffer.sum() == 6 and not buffer.isnan().any()
+
+
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5), extra=st.integers(1, 40))
+def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(lengths, extra):
+    """Padding [Q/K/O | V] offsets half by half (into a capture buffer up to 40 segments larger) leaves every real
+    row unchanged; padding it as one flat sequence puts V offsets into the wrong half, and the reference shows it."""
+    import torch.nn.functional as F
+
+    from vgraph_compile.ops import packed_varlen_attention
+
+    tokens = sum(lengths)
+    q, k, v = torch.randn(2 * tokens, 3, 2, 4).unbind(1)  # bucket rows: real rows, then padding
+    q, k = q.contiguous(), k.contiguous()
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    packed = torch.cat([cu * 8, cu * v.stride(0)])
+    capacity = torch.full((packed.shape[0] + 2 * extra,), -1, dtype=torch.int32)
+    real = packed_varlen_attention(q, k, v, packed, tokens)[:tokens]
+
+    fill(Role.PACKED_OFFSETS, capacity, packed)
+    torch.testing.assert_close(packed_varlen_attention(q, k, v, capacity, tokens)[:tokens], real, rtol=0, atol=0)
+
+    flat = torch.cat([packed, packed[-1:].expand(2 * extra)])
+    try:
+        wrong = packed_varlen_attention(q, k, v, flat, tokens)[:tokens]
+    except ValueError as error:  # the kernel would have read out of bounds
+        assert "point outside q/k/v" in str(error)
+    else:
+        assert (wrong - real).abs().max() > 1e-3

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable, Literal
 if TYPE_CHECKING:
     import torch
 
-AttentionBackendName = Literal["auto", "sdpa", "torch_varlen"]
-"""Names accepted by ``VGraphConfig.attention_backend`` and the op's ``backend`` argument."""
+AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "flash_attn", "flashinfer", "packed_reference"]
+"""Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,14 @@ class AttentionBackend:
 
     name: str
     module: str
-    """Module under ``vgraph_compile.backends`` defining ``attention(q, k, v, cu_seqlens, max_seqlen, scale)``."""
+    """Module under ``vgraph_compile.backends`` defining ``attention(q, k, v, offsets, max_seqlen, scale)``."""
     supports: Callable[["torch.device", "torch.dtype"], bool]
     """Whether the kernel can run on this device and dtype (checked before a graph is built)."""
+    packed: bool = False
+    """Reads packed element offsets ``[Q/K/O | V]`` (``vgraph::packed_varlen_attention``) instead of token
+    cu_seqlens; the ``lower_packed`` pass rewrites sites for it."""
+    package: tuple[str, str] | None = None
+    """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
 
     def load(self) -> Callable[..., "torch.Tensor"]:
         return importlib.import_module(f"{__name__}.{self.module}").attention
@@ -45,9 +50,20 @@ def _torch_varlen_present() -> bool:
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
+def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
+    import torch
+
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
+    "flash_attn": AttentionBackend("flash_attn", "flash_attn", _cuda_half_kernel, package=("flash_attn", "flash-attn")),
+    "flashinfer": AttentionBackend(
+        "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
+    ),
+    "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
 }
 
 
@@ -65,7 +81,12 @@ def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> Attentio
     backend = BACKENDS[name]
     if not backend.supports(device, dtype):
         raise ValueError(
-            f"attention backend {name!r} cannot run on {device.type} with {dtype}: "
-            "torch_varlen needs CUDA, fp16/bf16 and torch>=2.10; use attention_backend='auto' or 'sdpa'"
+            f"attention backend {name!r} cannot run on {device.type} with {dtype}: torch_varlen, flash_attn and "
+            "flashinfer need CUDA and fp16/bf16 (torch_varlen: torch>=2.10); use attention_backend='auto' or 'sdpa'"
+        )
+    if backend.package is not None and importlib.util.find_spec(backend.package[0]) is None:
+        raise ValueError(
+            f"attention backend {name!r} needs the optional package {backend.package[1]}: "
+            f"pip install {backend.package[1]}"
         )
     return backend

@@ -50,11 +50,16 @@ class VarlenOp:
     cu_seqlens: tuple[str, ...]
     max_seqlen: tuple[str, ...]
     backend: str | None = None
-    """Argument naming the kernel, rewritten per config (vgraph's own op only)."""
+    """Argument naming the kernel, rewritten per config (vgraph's own ops only)."""
+    packed: bool = False
+    """Its offsets are FlashInfer's packed ``[Q/K/O | V]`` element offsets (two halves of segments + 1)."""
 
 
 VARLEN_OPS: dict[str, VarlenOp] = {
     "vgraph::varlen_attention": VarlenOp("q", ("cu_seqlens",), ("max_seqlen",), backend="backend"),
+    "vgraph::packed_varlen_attention": VarlenOp(
+        "q", ("packed_offsets",), ("max_seqlen",), backend="backend", packed=True
+    ),
     "torch_attn::_varlen_attn": VarlenOp("query", ("cu_seq_q", "cu_seq_k"), ("max_q", "max_k")),
     "flash_attn::_flash_attn_varlen_forward": VarlenOp(
         "q", ("cu_seqlens_q", "cu_seqlens_k"), ("max_seqlen_q", "max_seqlen_k")
@@ -189,7 +194,9 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if len(offsets_inputs) != 1:
             raise ValueError(f"q and k offsets of {node.format_node()} come from different inputs; vgraph needs one")
         (offsets_index,) = offsets_inputs
-        group = groups.setdefault(offsets_index, {"index": len(groups), "max": set(), "sites": [], "lengths": lengths})
+        group = groups.setdefault(
+            offsets_index, {"index": len(groups), "max": set(), "sites": [], "lengths": lengths, "packed": op.packed}
+        )
         group["sites"].append(node.name)
         for argument in op.max_seqlen:
             bound = get_argument(node, argument)
@@ -221,11 +228,28 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             "Compile with torch.compile(..., dynamic=True) or vgraph_compile.encoder so token dims are symbolic"
         )
     (token_symbol,) = token_free
+    for guard in shape_env.guards:
+        expr = sympy.sympify(shape_env.replace(guard.expr))
+        if (
+            isinstance(expr, sympy.Eq)
+            and {expr.lhs, expr.rhs} & {token_symbol}
+            and (expr.lhs.is_Integer or expr.rhs.is_Integer)
+        ):
+            raise StaticTokensError(
+                f"the trace pinned the token count with the guard {expr} (a first call of one token takes some "
+                "paths that only hold at that size); the next call of another size retraces"
+            )
 
     attention_groups = []
     for offsets_index, group in groups.items():
         length = simplify(example_value(placeholder_nodes[offsets_index]).shape[0])
-        role = Role.SEGMENT_LENGTHS if group["lengths"] else Role.SEGMENT_OFFSETS
+        role = (
+            Role.PACKED_OFFSETS
+            if group["packed"]
+            else Role.SEGMENT_LENGTHS
+            if group["lengths"]
+            else Role.SEGMENT_OFFSETS
+        )
         roles[offsets_index] = InputRole(
             offsets_index,
             placeholder_nodes[offsets_index].name,
@@ -237,7 +261,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             roles[bound_index] = InputRole(
                 bound_index, placeholder_nodes[bound_index].name, Role.MAX_SEQLEN, (), group["index"]
             )
-        segments = length if role is Role.SEGMENT_LENGTHS else length - 1
+        segments = {Role.SEGMENT_LENGTHS: length, Role.PACKED_OFFSETS: length / 2 - 1}.get(role, length - 1)
         attention_groups.append(
             AttentionGroup(group["index"], offsets_index, segments, tuple(sorted(group["max"])), tuple(group["sites"]))
         )

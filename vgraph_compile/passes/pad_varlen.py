@@ -9,7 +9,7 @@ Cases handled:
 1. max_seqlen is a symbolic int (an input, or a size expression): replaced by the bucket's bound.
 2. max_seqlen is already a Python int in the graph: left alone (dynamo guards it).
 3. ``backend="auto"`` (or any name) on ``vgraph::varlen_attention``: replaced by the configured backend resolved
-   for the device and dtype of that site's q.
+   for the device and dtype of that site's q (``packed_varlen_attention`` sites: only by a packed backend).
 
 Before/After (budget 64)::
 
@@ -42,14 +42,17 @@ def _sites(gm: torch.fx.GraphModule):
 
 
 def select_backend(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
-    """Point every ``vgraph::varlen_attention`` at the configured kernel, resolved for the device and dtype of its
-    own q; returns the nodes changed."""
+    """Point every vgraph attention site at the configured kernel, resolved for the device and dtype of its own q;
+    a site on packed offsets keeps its own kernel unless a packed one is configured. Returns the nodes changed."""
     rewritten = 0
     for node, op in _sites(gm):
         if op.backend is None:
             continue
         q = example_value(get_argument(node, op.q))
-        backend = backends.resolve(ctx.config.attention_backend, q.device, q.dtype).name
+        configured = backends.resolve(ctx.config.attention_backend, q.device, q.dtype)
+        if op.packed and not configured.packed:
+            continue
+        backend = configured.name
         if get_argument(node, op.backend) != backend:
             set_argument(node, op.backend, backend)
             rewritten += 1

@@ -3,8 +3,10 @@
 Order, and why:
 1. ``discover_varlen`` (analysis, once): roles and groups come from the traced graph, before any rewrite.
 2. ``bounds`` (analysis, once): per-bucket sizes need the roles; guards are checked here, before compiling.
-3. ``pad_varlen`` (rewrite, per bucket, on a copy): needs the bucket's max_seqlen bounds.
-4. ``specialize`` (rewrite, per bucket, last): removes every input and symbol, so nothing after it can refer
+3. ``pad_varlen`` (rewrite, per bucket, on a copy): needs the bucket's max_seqlen bounds; picks each kernel.
+4. ``lower_packed`` (rewrite, per bucket): after the kernel is picked, builds packed offsets for the sites whose
+   kernel reads them (it also runs on the eager fallback graph, which needs no bucket).
+5. ``specialize`` (rewrite, per bucket, last): removes every input and symbol, so nothing after it can refer
    to the dynamic trace.
 The wrapper times each pass, logs the graph before and after at debug level, and lints and recompiles.
 """
@@ -19,7 +21,7 @@ from typing import Callable
 
 import torch.fx
 
-from vgraph_compile.passes import bounds, discover_varlen, pad_varlen, specialize
+from vgraph_compile.passes import bounds, discover_varlen, lower_packed, pad_varlen, specialize
 from vgraph_compile.passes.spec import BucketShape, PassContext
 
 __all__ = ["ANALYSES", "BUCKET_REWRITES", "analyze", "build_bucket_graph", "apply_pass"]
@@ -34,6 +36,7 @@ ANALYSES: tuple[tuple[str, Pass], ...] = (
 )
 BUCKET_REWRITES: tuple[tuple[str, Pass], ...] = (
     ("pad_varlen", pad_varlen.run),
+    ("lower_packed", lower_packed.run),
     ("specialize", specialize.run),
 )
 

@@ -23,6 +23,8 @@ class Role(str, enum.Enum):
     """Tensor with token-sized dims: copied, the padded rows zeroed."""
     SEGMENT_OFFSETS = "segment_offsets"
     """cu_seqlens of one attention group: copied, padded by repeating the last offset (empty segments)."""
+    PACKED_OFFSETS = "packed_offsets"
+    """FlashInfer's ``[Q/K/O offsets | V offsets]`` buffer: each half padded by repeating its own last value."""
     SEGMENT_LENGTHS = "segment_lengths"
     """Per-segment lengths the graph turns into offsets (cumsum): padded with zeros (empty segments)."""
     GATHER_INDEX = "gather_index"

@@ -36,6 +36,12 @@ def _repeat_last(buffer: torch.Tensor, value: torch.Tensor) -> None:
     buffer[rows:].copy_(value[-1:].expand(buffer.shape[0] - rows))
 
 
+def _repeat_last_per_half(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    source, target = value.shape[0] // 2, buffer.shape[0] // 2
+    _repeat_last(buffer[:target], value[:source])
+    _repeat_last(buffer[target:], value[source:])
+
+
 def _identity(buffer: torch.Tensor, value: torch.Tensor) -> None:
     rows = value.shape[0]
     buffer[:rows].copy_(value)
@@ -48,6 +54,7 @@ RULES: dict[Role, Callable[[torch.Tensor, torch.Tensor], None]] = {
     Role.SEGMENT_LENGTHS: _zeros,
     Role.TABLE_INDEX: _zeros,
     Role.SEGMENT_OFFSETS: _repeat_last,
+    Role.PACKED_OFFSETS: _repeat_last_per_half,
     Role.GATHER_INDEX: _identity,
 }
 

@@ -9,6 +9,7 @@ autograd (bucket graphs are inference-only).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -21,7 +22,7 @@ import torch.fx
 from tqdm.auto import tqdm
 
 from vgraph_compile.counters import counters
-from vgraph_compile.passes import pass_manager
+from vgraph_compile.passes import lower_packed, pass_manager
 from vgraph_compile.passes.pad_varlen import select_backend
 from vgraph_compile.passes.spec import BucketShape, PassContext, Role
 from vgraph_compile.passes.specialize import buffer_name
@@ -84,9 +85,12 @@ class VGraphRuntime:
                 f"cudagraphs=True needs a CUDA encoder compiled with inductor (device {ctx.device}, "
                 f"compiler {self.config.compiler!r}): set cudagraphs=None or compiler='inductor'"
             )
-        self.eager = gm
+        self.traced = gm
+        """The dynamic trace, which every bucket graph is specialized from."""
+        self.eager = copy.deepcopy(gm)
+        """The trace with the configured kernels, run as is for calls no bucket serves."""
         select_backend(self.eager, ctx)
-        self.eager.recompile()
+        pass_manager.apply_pass("lower_packed", lower_packed.run, self.eager, ctx)
         self.buckets: list[_Bucket] = []
         self.misses: dict[str, _Miss] = {}
         self._lock = threading.Lock()
@@ -105,7 +109,7 @@ class VGraphRuntime:
             built = []
             shapes = sorted(self.ctx.buckets, key=lambda bucket: -bucket.budget)
             for shape in tqdm(shapes, desc=f"vgraph: compiling {self.name}", unit="bucket", leave=False):
-                static = pass_manager.build_bucket_graph(self.eager, self.ctx, shape)
+                static = pass_manager.build_bucket_graph(self.traced, self.ctx, shape)
                 buffers = {
                     role.index: getattr(static, buffer_name(role.index))
                     for role in self._copied

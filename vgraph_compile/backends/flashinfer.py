@@ -1,0 +1,55 @@
+"""FlashInfer's cuDNN batch prefill (``flashinfer.prefill.cudnn_batch_prefill_with_kv_cache``) on packed element
+offsets ``[Q/K/O offsets | V offsets]`` (CUDA, fp16/bf16; ``pip install flashinfer-python``).
+
+Per-sequence lengths are derived on the device from the Q/K/O offsets; the workspace is allocated once per device;
+``max_seqlen`` (the bucket's constant) fixes the cuDNN plan, which is built at the warm-up run before capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def _prefill():
+    try:
+        from flashinfer.prefill import cudnn_batch_prefill_with_kv_cache
+    except ImportError as missing:
+        raise ImportError(
+            "attention_backend='flashinfer' needs FlashInfer with its cuDNN path: pip install flashinfer-python "
+            "nvidia-cudnn-frontend"
+        ) from missing
+    return cudnn_batch_prefill_with_kv_cache
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_offsets: torch.Tensor, max_seqlen: int, scale
+) -> torch.Tensor:
+    prefill = _prefill()
+    half = packed_offsets.shape[0] // 2
+    qko, v_offsets = packed_offsets[:half], packed_offsets[half:]
+    lengths = ((qko[1:] - qko[:-1]) // q.stride(0)).to(torch.int32).view(-1, 1, 1, 1)
+    workspace = _workspaces.get(q.device)
+    if workspace is None:
+        workspace = _workspaces[q.device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    out, _ = prefill(
+        q,
+        k,
+        v,
+        scale if scale is not None else q.shape[-1] ** -0.5,
+        workspace,
+        max_token_per_sequence=max_seqlen,
+        max_sequence_kv=max_seqlen,
+        actual_seq_lens_q=lengths,
+        actual_seq_lens_kv=lengths,
+        causal=False,
+        return_lse=False,
+        batch_offsets_q=qko,
+        batch_offsets_o=qko,
+        batch_offsets_k=qko,
+        batch_offsets_v=v_offsets,
+        is_cuda_graph_compatible=True,
+    )
+    return out
