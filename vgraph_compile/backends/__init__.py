@@ -39,6 +39,12 @@ class AttentionBackend:
     def load(self) -> Callable[..., "torch.Tensor"]:
         return importlib.import_module(f"{__name__}.{self.module}").attention
 
+    def prepare(self, device: "torch.device") -> None:
+        """Set up what the kernel keeps across calls (e.g. a workspace) before any graph is captured."""
+        prepare = getattr(importlib.import_module(f"{__name__}.{self.module}"), "prepare", None)
+        if prepare is not None:
+            prepare(device)
+
 
 def _cuda_half(device: "torch.device", dtype: "torch.dtype") -> bool:
     import torch

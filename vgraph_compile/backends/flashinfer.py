@@ -1,8 +1,9 @@
 """FlashInfer's cuDNN batch prefill (``flashinfer.prefill.cudnn_batch_prefill_with_kv_cache``) on packed element
 offsets ``[Q/K/O offsets | V offsets]`` (CUDA, fp16/bf16; ``pip install flashinfer-python``).
 
-Per-sequence lengths are derived on the device from the Q/K/O offsets; the workspace is allocated once per device;
-``max_seqlen`` (the bucket's constant) fixes the cuDNN plan, which is built at the warm-up run before capture.
+Per-sequence lengths are derived on the device from the Q/K/O offsets. The workspace is allocated once per device
+by ``prepare``, when a graph is built: allocated inside the first (warm-up) run it would live in the CUDA graph pool,
+untracked. ``max_seqlen`` (the bucket's constant) fixes the cuDNN plan, built at the warm-up run before capture.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def _prefill():
     return cudnn_batch_prefill_with_kv_cache
 
 
+def prepare(device: torch.device) -> None:
+    """Load the kernel (a missing package fails here, not in a graph) and allocate the device's workspace."""
+    _prefill()
+    if device not in _workspaces:
+        _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_offsets: torch.Tensor, max_seqlen: int, scale
 ) -> torch.Tensor:
@@ -31,9 +39,9 @@ def attention(
     half = packed_offsets.shape[0] // 2
     qko, v_offsets = packed_offsets[:half], packed_offsets[half:]
     lengths = ((qko[1:] - qko[:-1]) // q.stride(0)).to(torch.int32).view(-1, 1, 1, 1)
-    workspace = _workspaces.get(q.device)
-    if workspace is None:
-        workspace = _workspaces[q.device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    if q.device not in _workspaces:
+        prepare(q.device)
+    workspace = _workspaces[q.device]
     out, _ = prefill(
         q,
         k,

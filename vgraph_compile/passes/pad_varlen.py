@@ -52,6 +52,7 @@ def select_backend(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
         configured = backends.resolve(ctx.config.attention_backend, q.device, q.dtype)
         if op.packed and not configured.packed:
             continue
+        configured.prepare(q.device)
         backend = configured.name
         if get_argument(node, op.backend) != backend:
             set_argument(node, op.backend, backend)
