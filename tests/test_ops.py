@@ -84,3 +84,13 @@ def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
         packed_varlen_attention(q, k, v, packed, 4)
     with pytest.raises(ValueError, match="reads packed"):
         varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="packed_reference")
+
+
+@pytest.mark.parametrize("name, package", [("flash_attn", "flash-attn"), ("flashinfer", "flashinfer-python")])
+def test_missing_optional_kernel_names_its_pip_package(name, package):
+    import importlib.util
+
+    if importlib.util.find_spec(name) is not None:
+        pytest.skip(f"{name} is installed")
+    with pytest.raises(ValueError, match=f"needs the optional package {package}: pip install {package}"):
+        backends.resolve(name, torch.device("cuda"), torch.bfloat16)
