@@ -38,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("tower", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
     parser.add_argument("--json")
+    parser.add_argument("--budget-growth", type=float, default=2.0, help="ratio between budgets (1024 to 16384)")
     args = parser.parse_args()
     fp32 = real_size_tower(args.tower, dtype=torch.float32)
     bf16 = real_size_tower(args.tower, dtype=torch.bfloat16)
@@ -45,7 +46,9 @@ def main() -> None:
     patch = fp32.config.patch_size
     width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
     start = time.perf_counter()
-    tower = compile_vision_tower(bf16, token_budgets=[1024, 2048, 4096, 8192, 16384], max_items=8, max_frames=16)
+    tower = compile_vision_tower(
+        bf16, min_tokens=1024, max_tokens=16384, budget_growth=args.budget_growth, max_items=8, max_frames=16
+    )
     with torch.inference_mode():
         tower.warmup()
     torch.cuda.synchronize()
@@ -69,6 +72,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "tower": args.tower,
+        "budgets": list(tower.config.budgets),
         "warmup_s": round(warmup_s, 1),
         "errors": [],
         "cases": {},
