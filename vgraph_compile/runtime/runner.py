@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import sympy
 import torch
@@ -152,20 +152,17 @@ class VGraphRuntime:
                     "Build it as F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)"
                 )
 
-    def _violations(self, shape: BucketShape, sizes: dict[sympy.Symbol, int]) -> list[str]:
-        """Why a call of ``sizes`` does not fit ``shape`` (empty when it fits): a bounded size over its bound,
-        or a pinned size that differs."""
-        violations = []
+    @staticmethod
+    def _violating(shape: BucketShape, sizes: dict[sympy.Symbol, int]) -> Iterator[tuple[sympy.Symbol, int, int]]:
+        """(symbol, real size, bucket size) for each size that keeps a call out of ``shape``: a bounded size over
+        its bound, or a pinned size that differs. Lazy, so the fit check stops at the first."""
         for symbol, value in shape.values.items():
             real = sizes.get(symbol, value)
-            if symbol in shape.fixed and real != value:
-                violations.append(f"{self.spec.describe(symbol)}={real} != {value}")
-            elif symbol not in shape.fixed and real > value:
-                violations.append(f"{self.spec.describe(symbol)}={real} > {value}")
-        return sorted(violations)
+            if real != value if symbol in shape.fixed else real > value:
+                yield symbol, real, value
 
     def _choose(self, sizes: dict[sympy.Symbol, int]) -> _Bucket | None:
-        return next((bucket for bucket in self.buckets if not self._violations(bucket.shape, sizes)), None)
+        return next((b for b in self.buckets if next(self._violating(b.shape, sizes), None) is None), None)
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -200,9 +197,14 @@ class VGraphRuntime:
         self.warmup()
         bucket = self._choose(sizes)
         if bucket is None:
-            over = self._violations(self.buckets[-1].shape, sizes)
-            reason = "no bucket holds " + ", ".join(violation.split("=")[0] for violation in over)
-            return self._miss(reason, args, f" ({', '.join(over)})")
+            largest = self.buckets[-1].shape
+            over = sorted(self._violating(largest, sizes), key=lambda violation: str(violation[0]))
+            reason = "no bucket holds " + ", ".join(self.spec.describe(symbol) for symbol, _, _ in over)
+            detail = ", ".join(
+                f"{self.spec.describe(symbol)}={real} {'!=' if symbol in largest.fixed else '>'} {value}"
+                for symbol, real, value in over
+            )
+            return self._miss(reason, args, f" ({detail})")
         for role in self._copied:
             if role.index in bucket.buffers:
                 padding.fill(role.role, bucket.buffers[role.index], args[role.index])
