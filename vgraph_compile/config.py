@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vgraph_compile.backends import BACKENDS
+from vgraph_compile.backends import BACKENDS, AttentionBackendName
 from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["VGraphConfig", "generate_budgets"]
@@ -49,7 +49,7 @@ class VGraphConfig:
     """Ratio between generated budgets: the worst-case padding is 1 - 1/growth (2.0: 50%, 1.5: 33%)."""
     max_segments: int | None = None
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
-    attention_backend: Literal["auto", "sdpa", "torch_varlen", "flash_attn", "flashinfer", "packed_reference"] = "auto"
+    attention_backend: AttentionBackendName = "auto"
     """Kernel behind every varlen-attention site; auto: FlashAttention-2 for fp16/bf16 on CUDA, else SDPA.
     flashinfer (cuDNN) and packed_reference (its CPU reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None

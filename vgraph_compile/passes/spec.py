@@ -167,4 +167,3 @@ class PassContext:
     buckets: tuple[BucketShape, ...] = ()
     bucket: BucketShape | None = None
     """The bucket a per-bucket rewrite is specializing for."""
-    stats: dict[str, int] = field(default_factory=dict)
