@@ -3,8 +3,9 @@
 Checks, then times, one tower per run:
 - bf16 outputs of ``compile_vision_tower`` and of the eager tower, both against the fp32 tower (relative error);
 - 50 random batches after warm-up: no dynamo retrace and no CUDA graph re-record;
-- median latency (CUDA events) of HF eager (sdpa) and vgraph on 1x224^2, 4x336^2, 1x1344^2 and a 16-frame 336^2
-  video.
+- median latency (CUDA events) of HF eager (sdpa) and vgraph on the bench's fixed cases (1x224^2, 4x336^2, 3 mixed,
+  1x1344^2, a 16-frame 336^2 video). The stock tower computes its metadata on grid_thw's device, so it gets
+  grid_thw on the GPU.
 
     python benchmarks/hf_towers.py qwen2.5-vl [--json PATH]
 """
@@ -18,16 +19,10 @@ import time
 
 import torch
 
-from vgraph_compile.bench import median_ms
+from vgraph_compile.bench import CASES_PX, median_ms, to_grid
 from vgraph_compile.hf import compile_vision_tower
-from vgraph_compile.models.qwen_towers import real_size_tower
+from vgraph_compile.models.qwen_towers import qwen_tower
 from vgraph_compile.runtime.cudagraph import recorded_graphs
-
-
-def side(pixels: int, patch: int) -> int:
-    """Patches per side of a ``pixels``-wide image, rounded to the 2x2 merge (as the processor resizes).
-    The stock tower computes its metadata on grid_thw's device, so it gets grid_thw on the GPU."""
-    return max(2, 2 * round(pixels / patch / 2))
 
 
 def relative(out, ref) -> float:
@@ -40,8 +35,8 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--budget-growth", type=float, default=2.0, help="ratio between budgets (1024 to 16384)")
     args = parser.parse_args()
-    fp32 = real_size_tower(args.tower, dtype=torch.float32)
-    bf16 = real_size_tower(args.tower, dtype=torch.bfloat16)
+    fp32 = qwen_tower(args.tower, dtype=torch.float32)
+    bf16 = qwen_tower(args.tower, dtype=torch.bfloat16)
     bf16.load_state_dict(fp32.state_dict())
     patch = fp32.config.patch_size
     width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
@@ -56,14 +51,14 @@ def main() -> None:
 
     rng = random.Random(0)
 
+    def grid_of(items_px):
+        return torch.tensor(to_grid(items_px, patch, fp32.config.temporal_patch_size, fp32.config.spatial_merge_size))
+
     def random_batch():
-        grid = [
-            (1, side(rng.randint(224, 1024), patch), side(rng.randint(224, 1024), patch))
-            for _ in range(rng.randint(1, 4))
-        ]
+        items = [(1, rng.randint(224, 1024), rng.randint(224, 1024)) for _ in range(rng.randint(1, 4))]
         if rng.random() < 0.2:
-            grid.append((rng.choice([2, 4, 8]), side(336, patch), side(336, patch)))
-        return torch.tensor(grid)
+            items.append((rng.choice([4, 8, 16]), 336, 336))
+        return grid_of(items)
 
     def pixels(grid_thw, dtype):
         return torch.randn(int(grid_thw.prod(-1).sum()), width, device="cuda", generator=None).to(dtype)
@@ -92,14 +87,8 @@ def main() -> None:
             tower(pixels(grid_thw, torch.bfloat16), grid_thw)
         report["rerecords"] = recorded_graphs() - graphs
         report["retraces"] = len(tower.runtimes) - traces
-        cases = {
-            "1x224^2": [(1, side(224, patch), side(224, patch))],
-            "4x336^2": [(1, side(336, patch), side(336, patch))] * 4,
-            "1x1344^2": [(1, side(1344, patch), side(1344, patch))],
-            "video 16f 336^2": [(8, side(336, patch), side(336, patch))],
-        }
-        for case, grid in cases.items():
-            grid_thw = torch.tensor(grid)
+        for case, items_px in CASES_PX.items():
+            grid_thw = grid_of(items_px)
             x = pixels(grid_thw, torch.bfloat16)
             report["cases"][case] = {
                 "patches": int(grid_thw.prod(-1).sum()),

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from vgraph_compile.runtime.runner import padded_fraction
+
 __all__ = ["main", "trace", "median_ms", "CASES_PX"]
 
 CASES_PX = {
@@ -151,12 +153,12 @@ def tower_flops(tower, grid) -> float:
 
 def run(args) -> dict[str, Any]:
     from vgraph_compile.hf import compile_vision_tower, routed_attention
-    from vgraph_compile.models.qwen_towers import real_size_tower
+    from vgraph_compile.models.qwen_towers import qwen_tower
     from vgraph_compile.runtime.cudagraph import recorded_graphs
 
     if not torch.cuda.is_available():
         raise SystemExit("vgraph-bench measures CUDA graphs: run it on a machine with a CUDA GPU")
-    tower = real_size_tower(args.tower)
+    tower = qwen_tower(args.tower)
     config = tower.config
     merge = config.spatial_merge_size
     grid_of = lambda items: to_grid(items, config.patch_size, config.temporal_patch_size, merge)  # noqa: E731
@@ -274,8 +276,7 @@ def _system(name, factory, requests, cases, inputs, result, deadline, args, towe
         _check_deadline(deadline, f"case {case}")
     if hasattr(fn, "warmup"):
         stats = [bucket.stats for runtime in fn.runtimes for bucket in runtime.buckets]
-        capacity = sum(s.hits * s.budget for s in stats)
-        result.extra["padded_fraction"] = round(1 - sum(s.real_tokens for s in stats) / capacity, 3)
+        result.extra["padded_fraction"] = round(padded_fraction(stats), 3)
         result.extra["host_ms_per_call_p50"] = round(statistics.median(host), 3)
         result.extra["buckets"] = [runtime.stats_table() for runtime in fn.runtimes]
         flops = tower_flops(tower, cases["1x1344^2"])

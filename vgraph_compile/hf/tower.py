@@ -86,6 +86,8 @@ class CompiledVisionTower:
     def __init__(self, tower: torch.nn.Module, config: VGraphConfig, metadata_cache_size: int = 1024) -> None:
         self.tower = tower
         self.kind: TowerKind = kind_of(tower)
+        self.output_class = self.kind.output_class(tower)
+        """The tower's own output type (BaseModelOutputWithPooling, or Qwen3's with deepstack features)."""
         self.config = config
         self.geometry = config.geometry
         self.compiled = encoder(_TowerCall(tower), config=config)
@@ -179,7 +181,7 @@ class CompiledVisionTower:
             raise ValueError(f"compiled towers take (pixel_values, grid_thw) only; got extra {sorted(kwargs)}")
         grid = self._check(pixel_values, grid_thw)
         self.warmup()
-        output_class = self.kind.output_class(self.tower)
+        output_class = self.output_class
         if not grid:
             empty = pixel_values.new_empty(0, self.out_width)
             deep = (

@@ -1,10 +1,11 @@
-"""The Qwen vision towers at their released sizes (configs only, random weights: nothing is downloaded)."""
+"""The Qwen vision towers at their released sizes, or resized for tests (configs only, random weights: nothing
+is downloaded)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["REAL_SIZES", "real_size_tower"]
+__all__ = ["REAL_SIZES", "qwen_tower"]
 
 REAL_SIZES = {
     "qwen2-vl": (
@@ -46,13 +47,14 @@ REAL_SIZES = {
 """Vision towers of Qwen2-VL-7B, Qwen2.5-VL-7B and Qwen3-VL-8B: (module, tower class, config class, config)."""
 
 
-def real_size_tower(kind: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """The ``kind`` tower with random weights, in eval mode, using transformers' sdpa attention."""
+def qwen_tower(kind: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **resize):
+    """The ``kind`` tower with random weights, in eval mode, using transformers' sdpa attention; ``resize``
+    overrides config fields of the released size (e.g. ``depth=2, hidden_size=32`` for a test tower)."""
     import importlib
 
     module_name, tower_name, config_name, fields = REAL_SIZES[kind]
     module = importlib.import_module(module_name)
     torch.manual_seed(seed)
-    config = getattr(module, config_name)(**fields)
+    config = getattr(module, config_name)(**{**fields, **resize})
     tower = getattr(module, tower_name)._from_config(config, attn_implementation="sdpa")
     return tower.to(device, dtype).eval()

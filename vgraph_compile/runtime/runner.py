@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import sympy
 import torch
@@ -28,7 +28,7 @@ from vgraph_compile.passes.spec import BucketShape, PassContext, Role
 from vgraph_compile.passes.specialize import buffer_name
 from vgraph_compile.runtime import cudagraph, padding
 
-__all__ = ["VGraphRuntime", "BucketStats"]
+__all__ = ["VGraphRuntime", "BucketStats", "padded_fraction"]
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,14 @@ class BucketStats:
     @property
     def padded_fraction(self) -> float:
         """Share of the bucket's rows that were padding, over its hits."""
-        capacity = self.hits * self.budget
-        return 1.0 - self.real_tokens / capacity if capacity else 0.0
+        return padded_fraction([self])
+
+
+def padded_fraction(stats: Iterable[BucketStats]) -> float:
+    """Share of the rows that were padding, over every hit of these buckets."""
+    stats = list(stats)
+    capacity = sum(bucket.hits * bucket.budget for bucket in stats)
+    return 1.0 - sum(bucket.real_tokens for bucket in stats) / capacity if capacity else 0.0
 
 
 @dataclass
