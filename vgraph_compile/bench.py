@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from vgraph_compile.hf.towers import hidden_width
 from vgraph_compile.runtime.runner import padded_fraction
 
 __all__ = ["main", "trace", "median_ms", "CASES_PX"]
@@ -133,7 +134,7 @@ def matmul_peak_tflops() -> float:
 def tower_flops(tower, grid) -> float:
     """Matmul and attention FLOPs of one forward (the merger and patch embedding included)."""
     config = tower.config
-    width = getattr(config, "embed_dim", None) or config.hidden_size
+    width = hidden_width(config)
     mlp = getattr(config, "intermediate_size", None) or width * getattr(config, "mlp_ratio", 4)
     gated = type(tower).__name__.startswith("Qwen2_5")
     tokens = sum(t * h * w for t, h, w in grid)

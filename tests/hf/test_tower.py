@@ -87,9 +87,12 @@ def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, mes
         compiled["qwen2-vl"](torch.randn(16, width, dtype=torch.float64), torch.tensor([(1, 4, 4)]))
 
 
-def test_empty_batch(compiled):
-    out = compiled["qwen3-vl"](torch.randn(0, 1536), torch.zeros(0, 3, dtype=torch.int64))
-    assert out.pooler_output.shape == (0, 48) and len(out.deepstack_features) == 1
+@pytest.mark.parametrize("name, patch_width, deepstack", [("qwen2-vl", 1176, None), ("qwen3-vl", 1536, 1)])
+def test_empty_batch(compiled, name, patch_width, deepstack):
+    """No items: empty outputs of the right widths (blocks 32 wide, merger 48), deepstack levels included."""
+    out = compiled[name](torch.randn(0, patch_width), torch.zeros(0, 3, dtype=torch.int64))
+    assert out.pooler_output.shape == (0, 48) and out.last_hidden_state.shape == (0, 32)
+    assert len(getattr(out, "deepstack_features", None) or ()) == (deepstack or 0)
 
 
 def test_unknown_tower_is_refused():

@@ -18,7 +18,7 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.packing import Batch, pack
-from vgraph_compile.hf.towers import Grid, TowerKind, kind_of
+from vgraph_compile.hf.towers import Grid, TowerKind, hidden_width, kind_of
 
 __all__ = ["CompiledVisionTower", "compile_vision_tower"]
 
@@ -181,24 +181,19 @@ class CompiledVisionTower:
             raise ValueError(f"compiled towers take (pixel_values, grid_thw) only; got extra {sorted(kwargs)}")
         grid = self._check(pixel_values, grid_thw)
         self.warmup()
-        output_class = self.output_class
         if not grid:
             empty = pixel_values.new_empty(0, self.out_width)
-            deep = (
-                {"deepstack_features": [empty] * len(self.tower.deepstack_merger_list)} if self.kind.deepstack else {}
-            )
-            return output_class(
-                last_hidden_state=pixel_values.new_empty(0, self.tower.config.hidden_size), pooler_output=empty, **deep
-            )
+            hidden = pixel_values.new_empty(0, hidden_width(self.tower.config))
+            return self._output(empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ())))
         batches = pack(grid, self.config.budgets[-1], self.config.max_items, self.config.max_frames)
         with routed_attention(self.tower):
             if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
                 outputs = self._run(pixel_values, tuple(grid))
-                return self._output(output_class, outputs[0], outputs[1], outputs[2:])
+                return self._output(outputs[0], outputs[1], outputs[2:])
             self.split_calls += 1
-            return self._split(output_class, pixel_values, grid, batches)
+            return self._split(pixel_values, grid, batches)
 
-    def _split(self, output_class, pixel_values, grid, batches: list[Batch]):
+    def _split(self, pixel_values, grid, batches: list[Batch]):
         merge = self.geometry.spatial_merge_size**2
         starts = [0]
         for t, h, w in grid:
@@ -220,13 +215,13 @@ class CompiledVisionTower:
                     deep[level][index] = feature[offset // merge : (offset + size) // merge]
                 offset += size
         last_hidden = torch.cat(hidden) if self.kind.last_hidden_in_item_order else None
-        return self._output(output_class, torch.cat(pooled), last_hidden, [torch.cat(level) for level in deep])
+        return self._output(torch.cat(pooled), last_hidden, [torch.cat(level) for level in deep])
 
-    def _output(self, output_class, pooled, last_hidden, deepstack):
+    def _output(self, pooled, last_hidden, deepstack):
         fields = {"last_hidden_state": last_hidden, "pooler_output": pooled}
         if self.kind.deepstack:
             fields["deepstack_features"] = list(deepstack)
-        return output_class(**fields)
+        return self.output_class(**fields)
 
 
 def compile_vision_tower(

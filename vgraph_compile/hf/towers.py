@@ -15,7 +15,7 @@ import torch
 
 from vgraph_compile.geometry import VisionGeometry
 
-__all__ = ["TowerKind", "TOWER_KINDS", "kind_of", "Grid"]
+__all__ = ["TowerKind", "TOWER_KINDS", "kind_of", "hidden_width", "Grid"]
 
 Grid = tuple[tuple[int, int, int], ...]
 """``grid_thw`` as a hashable tuple of (t, h, w) rows, in patches."""
@@ -98,6 +98,11 @@ TOWER_KINDS: dict[str, TowerKind] = {
     "Qwen3VLVisionModel": _QWEN3,
     "Qwen3VLMoeVisionModel": _QWEN3,
 }
+
+
+def hidden_width(config) -> int:
+    """Width of the blocks' hidden states (Qwen2-VL calls it ``embed_dim``; its ``hidden_size`` is the merger's)."""
+    return getattr(config, "embed_dim", None) or config.hidden_size
 
 
 def kind_of(tower: torch.nn.Module) -> TowerKind:
