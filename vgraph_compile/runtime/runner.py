@@ -136,9 +136,9 @@ class VGraphRuntime:
             for symbol, index, dim in self.spec.bindings
         }
 
-    def tokens(self, sizes: dict[sympy.Symbol, int]) -> int:
+    def tokens(self, substitution: dict[sympy.Symbol, sympy.Integer]) -> int:
         """The call's token count (rows of the first attention), the quantity budgets are counted in."""
-        return int(self.spec.token_rows.xreplace({s: sympy.Integer(v) for s, v in sizes.items()}))
+        return int(self.spec.token_rows.xreplace(substitution))
 
     def _validate(self, args: Sequence[Any], tokens: int) -> None:
         for role in self._offsets:
@@ -178,8 +178,7 @@ class VGraphRuntime:
         counters.eager_fallbacks += 1
         return self.eager(*args)
 
-    def _narrow(self, outputs: Sequence[Any], sizes: dict[sympy.Symbol, int]) -> list[Any]:
-        substitution = {symbol: sympy.Integer(value) for symbol, value in sizes.items()}
+    def _narrow(self, outputs: Sequence[Any], substitution: dict[sympy.Symbol, sympy.Integer]) -> list[Any]:
         results = []
         for output, shape in zip(outputs, self.spec.outputs):
             if isinstance(shape, tuple) and isinstance(output, torch.Tensor):
@@ -194,7 +193,8 @@ class VGraphRuntime:
 
     def __call__(self, *args: Any) -> list[Any]:
         sizes = self.sizes(args)
-        tokens = self.tokens(sizes)
+        substitution = {symbol: sympy.Integer(value) for symbol, value in sizes.items()}
+        tokens = self.tokens(substitution)
         self._validate(args, tokens)
         if torch.is_grad_enabled() and (
             self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -218,7 +218,7 @@ class VGraphRuntime:
         bucket.stats.hits += 1
         bucket.stats.real_tokens += tokens
         counters.replays += 1
-        return self._narrow(outputs, sizes)
+        return self._narrow(outputs, substitution)
 
     # -- reporting ---------------------------------------------------------------------------------------------
     def stats_table(self) -> str:
