@@ -2,9 +2,9 @@
 
 ``torch.compile(m, backend="vgraph", dynamic=True, options={...})`` finds ``vgraph_backend`` through the
 ``torch_dynamo_backends`` entry point; ``VGraphBackend(config)`` is the same backend as an object that keeps the
-runtimes it built (``vgraph_compile.encoder`` uses it). The backend runs the analyses at trace time (so a bad
-encoder or budget fails at the first call, before any graph runs) and returns a ``VGraphRuntime``, which
-compiles and captures its buckets on first use.
+runtimes it built (``vgraph_compile.encoder`` uses it). At trace time the backend runs the analyses (so a bad
+encoder or budget fails at the first call, before any graph runs) and the build (one inductor compile for every
+bucket), and returns a ``VGraphRuntime``, which captures the buckets' CUDA graphs on first use.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
+from vgraph_compile.build import build
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager
@@ -87,7 +88,8 @@ class VGraphBackend:
         except StaticTokensError as error:
             return self._static_trace(gm, str(error))
         counters.traces += 1
-        runtime = VGraphRuntime(gm, ctx)
+        sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
+        runtime = VGraphRuntime(build(gm, ctx), ctx, sources)
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
         return runtime

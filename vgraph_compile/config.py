@@ -12,8 +12,12 @@ from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["VGraphConfig", "generate_budgets"]
 
-DEFAULT_MIN_TOKENS = 1024
+DEFAULT_MIN_MERGED_TOKENS = 64
+"""The smallest generated budget holds this many merged tokens (64 x merge^2 patches with a geometry)."""
 DEFAULT_MAX_TOKENS = 16384
+DEFAULT_BUDGET_GROWTH = 1.25
+"""Default ratio between generated budgets: at most 20% of a bucket is padding. A bucket costs one CUDA graph
+capture (a fraction of a second), not a compile, so buckets are fine by default."""
 DEFAULT_MAX_SEGMENTS = 64
 
 
@@ -42,11 +46,11 @@ class VGraphConfig:
     token_budgets: tuple[int, ...] | None = None
     """Token counts (rows of the attention's q) to compile one graph each for. None: generated from min/max."""
     min_tokens: int | None = None
-    """Smallest generated budget (with ``token_budgets`` unset); default 1024."""
+    """Smallest generated budget (with ``token_budgets`` unset); default 64 merged tokens (64 x merge^2)."""
     max_tokens: int | None = None
     """Largest generated budget (with ``token_budgets`` unset); default 16384."""
-    budget_growth: float = 2.0
-    """Ratio between generated budgets: the worst-case padding is 1 - 1/growth (2.0: 50%, 1.5: 33%)."""
+    budget_growth: float = DEFAULT_BUDGET_GROWTH
+    """Ratio between generated budgets: the worst-case padding is 1 - 1/growth (1.25: 20%, 2.0: 50%)."""
     max_segments: int | None = None
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
     attention_backend: AttentionBackendName = "auto"
@@ -55,7 +59,11 @@ class VGraphConfig:
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
     compiler: Literal["inductor", "eager"] = "inductor"
-    """What runs each static bucket graph: inductor, or the FX graph as is (fast to build; for tests and debugging)."""
+    """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
+    (fast to build; for tests and debugging)."""
+    align_matmuls: bool | None = None
+    """Pad misaligned matmul widths with zeros (``passes/align_matmuls``; exact). None: where it pays, on CUDA when a
+    width is not a multiple of 16 bytes; True: every width not a multiple of 64; False: never."""
     check_values: bool = True
     """Check cu_seqlens values (start 0, non-decreasing, end at the token count) before a graph runs.
     On CUDA this reads cu_seqlens back to the host once per call."""
@@ -93,7 +101,8 @@ class VGraphConfig:
                 )
             object.__setattr__(self, "token_budgets", budgets)
         else:
-            low = DEFAULT_MIN_TOKENS if self.min_tokens is None else self.min_tokens
+            merge = self.geometry.spatial_merge_size**2 if self.geometry is not None else 1
+            low = DEFAULT_MIN_MERGED_TOKENS * merge if self.min_tokens is None else self.min_tokens
             high = max(low, DEFAULT_MAX_TOKENS) if self.max_tokens is None else self.max_tokens
             if low <= 0 or high <= 0:
                 raise ValueError(f"VGraphConfig: min_tokens={low} and max_tokens={high} must both be positive")
@@ -101,7 +110,6 @@ class VGraphConfig:
                 raise ValueError(f"VGraphConfig: min_tokens={low} > max_tokens={high}; swap them")
             if self.budget_growth <= 1.0:
                 raise ValueError(f"VGraphConfig.budget_growth must be > 1, got {self.budget_growth}")
-            merge = self.geometry.spatial_merge_size**2 if self.geometry is not None else 1
             budgets = generate_budgets(low, high, self.budget_growth, merge)
         object.__setattr__(self, "budgets", budgets)
 

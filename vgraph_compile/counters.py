@@ -24,10 +24,14 @@ class Counters:
     """Varlen-attention call sites discovered."""
     nodes_rewritten: int = 0
     """Graph nodes changed by rewrite passes (all buckets)."""
-    buckets_compiled: int = 0
-    """Static bucket graphs compiled."""
+    compiles: int = 0
+    """Inductor compiles: one per trace, whatever the number of buckets."""
+    buckets_built: int = 0
+    """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0
     """CUDA graphs recorded (one per bucket when cudagraphs are on)."""
+    buckets_dropped: int = 0
+    """Buckets given up at capture (out of GPU memory)."""
     replays: int = 0
     """Calls served by a bucket graph."""
     eager_fallbacks: int = 0

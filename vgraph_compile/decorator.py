@@ -1,26 +1,33 @@
 """``vgraph_compile.encoder``: compile an encoder's forward (function or module) with the vgraph backend.
 
-It is ``torch.compile(fn, backend=VGraphBackend(config), dynamic=True, fullgraph=True)`` under
-``trace_options()``: one trace with symbolic token and segment sizes serves every call, and a graph break is an
-error rather than a silent slow path. The returned callable exposes ``.vgraph`` (the backend, with its runtimes
-and their stats).
+The first call traces with ``torch.compile(fn, backend=VGraphBackend(config), dynamic=True, fullgraph=True)``
+under ``trace_options()``: one trace with symbolic token and segment sizes serves every call, and a graph break
+is an error rather than a silent slow path. Later calls skip dynamo: the call's arguments are read into the
+graph's inputs (``runtime/arguments``) and the runtime validates, fills, replays and narrows. A call the trace
+cannot tell apart without a retrace (another argument structure, another specialized constant) goes through
+dynamo again. A call with autograd enabled on trainable parameters or inputs runs the encoder as written.
+The returned callable exposes ``.vgraph`` (the backend, with its runtimes and their stats).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, TypeVar
+import logging
+import threading
+from typing import Any, Callable
 
 import torch
 from torch.fx.experimental import _config as fx_config
 
 from vgraph_compile.backend import VGraphBackend
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.runtime.arguments import CallArguments, OutputLayout
+from vgraph_compile.runtime.runner import VGraphRuntime
 
-__all__ = ["encoder", "trace_options"]
+__all__ = ["encoder", "trace_options", "CompiledEncoderFunction"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 def trace_options(args: tuple = ()) -> contextlib.ExitStack:
@@ -42,7 +49,68 @@ def trace_options(args: tuple = ()) -> contextlib.ExitStack:
     return stack
 
 
-def encoder(fn: F | None = None, /, *, config: VGraphConfig | None = None, **options: Any):
+class _HotPath:
+    """One runtime called straight from the encoder's arguments."""
+
+    def __init__(self, runtime: VGraphRuntime, arguments: CallArguments, layout: OutputLayout) -> None:
+        self.runtime, self.arguments, self.layout = runtime, arguments, layout
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        inputs = self.arguments.read(args, kwargs)
+        if inputs is None:
+            return NotImplemented
+        return self.layout.build(self.runtime(*inputs))
+
+
+class CompiledEncoderFunction:
+    """What ``vgraph_compile.encoder`` returns: call it like the encoder."""
+
+    def __init__(self, target: Callable[..., Any], config: VGraphConfig) -> None:
+        self.target = target
+        self.vgraph = VGraphBackend(config)
+        self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
+        self._forward = target.forward if isinstance(target, torch.nn.Module) else target
+        self._hot: _HotPath | None = None
+        self._trace_lock = threading.Lock()
+        functools.update_wrapper(self, self._forward)
+
+    def _needs_autograd(self, args: tuple, kwargs: dict) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        if self._hot is not None and self._hot.runtime._parameters_need_grad:
+            return True
+        values = [*args, *kwargs.values()]
+        return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._needs_autograd(args, kwargs):
+            return self.target(*args, **kwargs)
+        hot = self._hot
+        if hot is not None:
+            result = hot(args, kwargs)
+            if result is not NotImplemented:
+                return result
+        with self._trace_lock:
+            known = len(self.vgraph.runtimes)
+            with trace_options(args):
+                result = self._compiled(*args, **kwargs)
+            if self._hot is None and len(self.vgraph.runtimes) > known:
+                self._hot = self._hot_path(self.vgraph.runtimes[-1], args, kwargs, result)
+        return result
+
+    def _hot_path(self, runtime: VGraphRuntime, args: tuple, kwargs: dict, result: Any) -> _HotPath | None:
+        """The hot path over the runtime this call traced, when its inputs and outputs can be mapped."""
+        if runtime.last_outputs is None:
+            return None
+        arguments = CallArguments.from_trace(runtime.input_sources, runtime.fixed_inputs, self._forward)
+        layout = OutputLayout.match(result, runtime.last_outputs)
+        if arguments is None or layout is None:
+            return None
+        arguments.remember(args, kwargs)
+        return _HotPath(runtime, arguments, layout)
+
+
+def encoder(fn: Callable[..., Any] | None = None, /, *, config: VGraphConfig | None = None, **options: Any):
     """Decorate a forward (or wrap a module): ``@vgraph_compile.encoder(token_budgets=[1024, 4096])``.
 
     ``options`` are ``VGraphConfig`` fields; pass either them or ``config``.
@@ -51,16 +119,7 @@ def encoder(fn: F | None = None, /, *, config: VGraphConfig | None = None, **opt
         raise ValueError(f"pass either config= or VGraphConfig fields, not both (got {sorted(options)})")
     config = config or VGraphConfig.from_options(options)
 
-    def wrap(target: F) -> F:
-        backend = VGraphBackend(config)
-        compiled = torch.compile(target, backend=backend, dynamic=True, fullgraph=True)
-
-        @functools.wraps(target)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with trace_options(args):
-                return compiled(*args, **kwargs)
-
-        call.vgraph = backend
-        return call
+    def wrap(target: Callable[..., Any]) -> CompiledEncoderFunction:
+        return CompiledEncoderFunction(target, config)
 
     return wrap(fn) if fn is not None else wrap

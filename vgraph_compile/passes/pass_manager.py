@@ -1,30 +1,29 @@
 """The ordered pipeline of passes, and the one wrapper every pass runs through.
 
 Order, and why:
-1. ``discover_varlen`` (analysis, once): roles and groups come from the traced graph, before any rewrite.
-2. ``bounds`` (analysis, once): per-bucket sizes need the roles; guards are checked here, before compiling.
-3. ``pad_varlen`` (rewrite, per bucket, on a copy): needs the bucket's max_seqlen bounds; picks each kernel.
-4. ``lower_packed`` (rewrite, per bucket): after the kernel is picked, builds packed offsets for the sites whose
-   kernel reads them (it also runs on the eager fallback graph, which needs no bucket).
-5. ``specialize`` (rewrite, per bucket, last): removes every input and symbol, so nothing after it can refer
-   to the dynamic trace.
+1. ``discover_varlen`` (analysis): roles and groups come from the traced graph, before any rewrite.
+2. ``bounds`` (analysis): per-bucket sizes need the roles; the trace's guards are checked here, before compiling.
+3. ``select_kernel`` (rewrite, on the eager copy and the compiled copy): each site names its kernel.
+4. ``lower_packed`` (rewrite, both copies): after the kernel is known, builds packed offsets for the sites whose
+   kernel reads them.
+5. ``align_matmuls`` (rewrite, the compiled copy only): pads misaligned matmul widths; last, since it changes
+   parameter shapes that only the build binds.
+No pass specializes sizes: the compiled graph stays symbolic and every bucket runs it at its own sizes.
 The wrapper times each pass, logs the graph before and after at debug level, and lints and recompiles.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import time
 from typing import Callable
 
 import torch.fx
 
-from vgraph_compile.passes import bounds, discover_varlen, lower_packed, pad_varlen, specialize
-from vgraph_compile.passes.spec import BucketShape, PassContext
+from vgraph_compile.passes import align_matmuls, bounds, discover_varlen, lower_packed, select_kernel
+from vgraph_compile.passes.spec import PassContext
 
-__all__ = ["ANALYSES", "BUCKET_REWRITES", "analyze", "build_bucket_graph", "apply_pass"]
+__all__ = ["ANALYSES", "REWRITES", "COMPILE_REWRITES", "analyze", "rewrite", "apply_pass"]
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +33,13 @@ ANALYSES: tuple[tuple[str, Pass], ...] = (
     ("discover_varlen", discover_varlen.run),
     ("bounds", bounds.run),
 )
-BUCKET_REWRITES: tuple[tuple[str, Pass], ...] = (
-    ("pad_varlen", pad_varlen.run),
+REWRITES: tuple[tuple[str, Pass], ...] = (
+    ("select_kernel", select_kernel.run),
     ("lower_packed", lower_packed.run),
-    ("specialize", specialize.run),
 )
+"""Rewrites of every copy that runs: the eager fallback and the compiled graph."""
+COMPILE_REWRITES: tuple[tuple[str, Pass], ...] = (("align_matmuls", align_matmuls.run),)
+"""Rewrites of the compiled graph only."""
 
 
 def apply_pass(name: str, pass_: Pass, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -63,10 +64,8 @@ def analyze(gm: torch.fx.GraphModule, ctx: PassContext) -> PassContext:
     return ctx
 
 
-def build_bucket_graph(gm: torch.fx.GraphModule, ctx: PassContext, bucket: BucketShape) -> torch.fx.GraphModule:
-    """A static copy of ``gm`` for ``bucket``; ``gm`` itself is left untouched (it stays the eager fallback)."""
-    bucket_ctx = dataclasses.replace(ctx, bucket=bucket)
-    static = copy.deepcopy(gm)
-    for name, pass_ in BUCKET_REWRITES:
-        static = apply_pass(name, pass_, static, bucket_ctx)
-    return static
+def rewrite(gm: torch.fx.GraphModule, ctx: PassContext, passes: tuple[tuple[str, Pass], ...]) -> torch.fx.GraphModule:
+    """``gm`` after ``passes``, in order (they rewrite it in place: pass a copy to keep the trace)."""
+    for name, pass_ in passes:
+        gm = apply_pass(name, pass_, gm, ctx)
+    return gm

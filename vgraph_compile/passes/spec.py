@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class Role(str, enum.Enum):
-    """What a graph input is, found from data flow; each role has one padding rule (``runtime/padding.py``)."""
+    """What a graph input is, found from data flow; each role has one padding rule (``build/padding.py``)."""
 
     TOKENS = "tokens"
     """Tensor with token-sized dims: copied, the padded rows zeroed."""

@@ -1,1 +1,1 @@
-"""Per-call side of vgraph: padding rules, compiled bucket graphs, and the runtime that routes each call."""
+"""Per-call side of vgraph: validate, choose a bucket, fill its buffers, replay, narrow, copy out."""

@@ -1,69 +1,40 @@
-"""``VGraphRuntime``: what the vgraph backend returns to dynamo for one traced encoder.
+"""``VGraphRuntime``: serves the calls of one traced encoder from the buckets its build made.
 
-Per call: read the real sizes from the inputs, validate (before any graph runs), choose the smallest bucket
-that holds every size, fill the bucket's persistent buffers by each input's padding rule, run or replay the
-bucket graph, and return the outputs narrowed to the real sizes (copied out of the graph's memory).
-A call no bucket holds runs the traced graph eagerly, counted and logged once; so does a call that needs
-autograd (bucket graphs are inference-only).
+Per call: read the real sizes from the inputs, validate them (before anything runs), choose the smallest bucket
+that holds every size, then, holding the runtime's lock: fill the bucket's buffers by each input's padding rule,
+replay (or run) the bucket, narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
+the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
+are inference-only).
+
+Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
+CUDA the lock is released once the work is queued, not finished; the next caller's stream waits for the previous
+call's copy-out (a CUDA event) before its fill, so callers on different streams are ordered too. The returned
+tensors are safe to read on the caller's stream.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import sympy
 import torch
-import torch.fx
-from tqdm.auto import tqdm
 
+from vgraph_compile.build import CompiledEncoder
+from vgraph_compile.build.buckets import Bucket, BucketStats, padded_fraction
+from vgraph_compile.build.padding import fill
 from vgraph_compile.counters import counters
-from vgraph_compile.passes import lower_packed, pass_manager
-from vgraph_compile.passes.pad_varlen import select_backend
 from vgraph_compile.passes.spec import BucketShape, PassContext, Role
-from vgraph_compile.passes.specialize import buffer_name
-from vgraph_compile.runtime import cudagraph, padding
+from vgraph_compile.runtime.arguments import argument_rooted
 
 __all__ = ["VGraphRuntime", "BucketStats", "padded_fraction"]
 
 log = logging.getLogger(__name__)
 
-_COPIED_ROLES = {role for role in Role if role in padding.RULES}
 _SERIALS = itertools.count(1)
-
-
-@dataclass
-class BucketStats:
-    budget: int
-    hits: int = 0
-    real_tokens: int = 0
-    """Sum over hits of the real token rows."""
-
-    @property
-    def padded_fraction(self) -> float:
-        """Share of the bucket's rows that were padding, over its hits."""
-        return padded_fraction([self])
-
-
-def padded_fraction(stats: Iterable[BucketStats]) -> float:
-    """Share of the rows that were padding, over every hit of these buckets."""
-    stats = list(stats)
-    capacity = sum(bucket.hits * bucket.budget for bucket in stats)
-    return 1.0 - sum(bucket.real_tokens for bucket in stats) / capacity if capacity else 0.0
-
-
-@dataclass
-class _Bucket:
-    shape: BucketShape
-    module: torch.fx.GraphModule
-    """The static graph (owner of the buffers), for inspection."""
-    run: cudagraph.StaticFn
-    buffers: dict[int, torch.Tensor]
-    stats: BucketStats
 
 
 @dataclass
@@ -72,61 +43,71 @@ class _Miss:
     count: int = 0
 
 
-class VGraphRuntime:
-    """Token-budget bucket graphs for one dynamo trace, and the eager trace as fallback."""
+@dataclass(frozen=True)
+class _TensorContract:
+    """What the trace assumed of a tensor input: checked per call, since the hot path skips dynamo's guards."""
 
-    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    index: int
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    static: tuple[int | None, ...]
+    """Per dim: its fixed size, or None where it varies with the call."""
+
+
+def user_name(name: str) -> str:
+    """A graph input's name as the user wrote it: dynamo's ``l_patches_`` -> ``patches``."""
+    return name[2:-1] if name.startswith("l_") and name.endswith("_") else name
+
+
+class VGraphRuntime:
+    """Token-budget buckets for one dynamo trace, and the eager trace as fallback."""
+
+    def __init__(self, encoder: CompiledEncoder, ctx: PassContext, sources: Sequence[Any]) -> None:
         self.serial = next(_SERIALS)
         self.name = f"vgraph encoder #{self.serial}"
-        self.ctx = ctx
+        self.encoder = encoder
         self.spec = ctx.spec
         self.config = ctx.config
-        self.cudagraphs = (
-            ctx.device.type == "cuda" and self.config.compiler == "inductor"
-            if self.config.cudagraphs is None
-            else self.config.cudagraphs
-        )
-        if self.cudagraphs and (ctx.device.type != "cuda" or self.config.compiler != "inductor"):
-            raise ValueError(
-                f"cudagraphs=True needs a CUDA encoder compiled with inductor (device {ctx.device}, "
-                f"compiler {self.config.compiler!r}): set cudagraphs=None or compiler='inductor'"
-            )
-        self.traced = gm
-        """The dynamic trace, which every bucket graph is specialized from."""
-        self.eager = copy.deepcopy(gm)
-        """The trace with the configured kernels, run as is for calls no bucket serves."""
-        select_backend(self.eager, ctx)
-        pass_manager.apply_pass("lower_packed", lower_packed.run, self.eager, ctx)
-        self.buckets: list[_Bucket] = []
+        self.device = ctx.device
         self.misses: dict[str, _Miss] = {}
         self._lock = threading.Lock()
+        self._done: torch.cuda.Event | None = None
         self._parameters_need_grad = any(
             isinstance(value, torch.Tensor) and value.requires_grad for value in ctx.example_inputs
         )
         self._offsets = [role for role in self.spec.inputs if role.role is Role.SEGMENT_OFFSETS]
-        self._copied = [role for role in self.spec.inputs if role.role in _COPIED_ROLES]
+        self._max_seqlen = {
+            group.offsets_input: group.max_seqlen_inputs for group in self.spec.groups if group.max_seqlen_inputs
+        }
+        self._contracts = [
+            _TensorContract(
+                role.index,
+                user_name(role.name),
+                value.dtype,
+                value.device,
+                tuple(int(size) if not getattr(size, "free_symbols", ()) else None for size in shape),
+            )
+            for role, value, shape in zip(self.spec.inputs, ctx.example_inputs, self.spec.input_shapes)
+            if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER
+        ]
+        self.input_sources = list(sources)
+        """Dynamo's source of each graph input (None where it has none)."""
+        self.fixed_inputs = [
+            None if source is not None and argument_rooted(source) else value
+            for source, value in zip(self.input_sources, ctx.example_inputs)
+        ]
+        """The traced value of each input not read from the call's arguments (parameters, module state)."""
+        self.last_outputs: list[Any] | None = None
+        """The outputs of the latest call (the decorator maps them to what the encoder returns)."""
 
-    # -- build -------------------------------------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.encoder.buckets
+
     def warmup(self) -> None:
-        """Build, compile and (with CUDA graphs) capture every bucket, largest first; idempotent."""
-        with self._lock:
-            if self.buckets:
-                return
-            built = []
-            shapes = sorted(self.ctx.buckets, key=lambda bucket: -bucket.budget)
-            for shape in tqdm(shapes, desc=f"vgraph: compiling {self.name}", unit="bucket", leave=False):
-                static = pass_manager.build_bucket_graph(self.traced, self.ctx, shape)
-                buffers = {
-                    role.index: getattr(static, buffer_name(role.index))
-                    for role in self._copied
-                    if hasattr(static, buffer_name(role.index))
-                }
-                run = cudagraph.compile_static(static, self.config, self.cudagraphs)
-                built.append(_Bucket(shape, static, run, buffers, BucketStats(shape.budget)))
-            if self.cudagraphs:
-                cudagraph.capture([bucket.run for bucket in built])
-            self.buckets = sorted(built, key=lambda bucket: bucket.shape.budget)
-            log.info("%s: %d buckets ready %s", self.name, len(built), [b.shape.budget for b in self.buckets])
+        """Capture every bucket's graph now (the first call does it otherwise)."""
+        self.encoder.warmup()
 
     # -- per call ----------------------------------------------------------------------------------------------
     def sizes(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
@@ -140,12 +121,33 @@ class VGraphRuntime:
         """The call's token count (rows of the first attention), the quantity budgets are counted in."""
         return int(self.spec.token_rows.xreplace(substitution))
 
+    def _check_contract(self, args: Sequence[Any]) -> None:
+        for contract in self._contracts:
+            value = args[contract.index]
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{contract.name} must be a tensor, got {type(value).__name__}")
+            if value.dtype != contract.dtype or value.device != contract.device:
+                raise ValueError(
+                    f"{contract.name} is {value.dtype} on {value.device}, but the encoder was compiled for "
+                    f"{contract.dtype} on {contract.device}: convert it with "
+                    f"{contract.name}.to(device='{contract.device}', dtype={contract.dtype})"
+                )
+            if value.dim() != len(contract.static) or any(
+                fixed is not None and size != fixed for size, fixed in zip(value.shape, contract.static)
+            ):
+                expected = ", ".join("any" if fixed is None else str(fixed) for fixed in contract.static)
+                raise ValueError(
+                    f"{contract.name} has shape {tuple(value.shape)}, but the encoder takes [{expected}] "
+                    "(only the packed dims vary between calls)"
+                )
+
     def _validate(self, args: Sequence[Any], tokens: int) -> None:
+        self._check_contract(args)
         for role in self._offsets:
             offsets = args[role.index]
             if offsets.dim() != 1 or offsets.shape[0] < 2:
                 raise ValueError(
-                    f"{role.name}: cu_seqlens must be 1-D with at least 2 entries [0, ..., tokens], "
+                    f"{user_name(role.name)}: cu_seqlens must be 1-D with at least 2 entries [0, ..., tokens], "
                     f"got shape {tuple(offsets.shape)}"
                 )
             if not self.config.check_values:
@@ -153,10 +155,17 @@ class VGraphRuntime:
             values = offsets.tolist()
             if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != tokens:
                 raise ValueError(
-                    f"{role.name}: cu_seqlens must start at 0, never decrease and end at the token count "
-                    f"{tokens}; got {values[:8]}{'...' if len(values) > 8 else ''} ending at {values[-1]}. "
+                    f"{user_name(role.name)}: cu_seqlens must start at 0, never decrease and end at the token "
+                    f"count {tokens}; got {values[:8]}{'...' if len(values) > 8 else ''} ending at {values[-1]}. "
                     "Build it as F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)"
                 )
+            longest = max(b - a for a, b in zip(values, values[1:]))
+            for index in self._max_seqlen.get(role.index, ()):
+                if longest > args[index]:
+                    raise ValueError(
+                        f"{user_name(self.spec.inputs[index].name)}={args[index]} is smaller than the longest "
+                        f"segment of {user_name(role.name)} ({longest} rows): pass the longest segment length"
+                    )
 
     @staticmethod
     def _violating(shape: BucketShape, sizes: dict[sympy.Symbol, int]) -> Iterator[tuple[sympy.Symbol, int, int]]:
@@ -164,11 +173,18 @@ class VGraphRuntime:
         its bound, or a pinned size that differs. Lazy, so the fit check stops at the first."""
         for symbol, value in shape.values.items():
             real = sizes.get(symbol, value)
-            if real != value if symbol in shape.fixed else real > value:
+            if symbol in shape.fixed:
+                if real != value:
+                    yield symbol, real, value
+            elif real > value:
                 yield symbol, real, value
 
-    def _choose(self, sizes: dict[sympy.Symbol, int]) -> _Bucket | None:
-        return next((b for b in self.buckets if next(self._violating(b.shape, sizes), None) is None), None)
+    def _choose(self, sizes: dict[sympy.Symbol, int]) -> Bucket | None:
+        """The smallest bucket no size of the call exceeds."""
+        for bucket in self.buckets:
+            if next(self._violating(bucket.shape, sizes), None) is None:
+                return bucket
+        return None
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -176,7 +192,21 @@ class VGraphRuntime:
             log.warning("%s: %s%s; running it eagerly (logged once per reason)", self.name, reason, detail)
         miss.count += 1
         counters.eager_fallbacks += 1
-        return self.eager(*args)
+        outputs = self.encoder.eager(*args)
+        self.last_outputs = list(outputs)
+        return outputs
+
+    def _no_bucket(self, args: Sequence[Any], sizes: dict[sympy.Symbol, int]) -> Any:
+        if not self.buckets:
+            return self._miss("no bucket was built (see the warnings above)", args)
+        largest = self.buckets[-1].shape
+        over = sorted(self._violating(largest, sizes), key=lambda violation: str(violation[0]))
+        reason = "no bucket holds " + ", ".join(self.spec.describe(symbol) for symbol, _, _ in over)
+        detail = ", ".join(
+            f"{self.spec.describe(symbol)}={real} {'!=' if symbol in largest.fixed else '>'} {value}"
+            for symbol, real, value in over
+        )
+        return self._miss(reason, args, f" ({detail})")
 
     def _narrow(self, outputs: Sequence[Any], substitution: dict[sympy.Symbol, sympy.Integer]) -> list[Any]:
         results = []
@@ -203,33 +233,39 @@ class VGraphRuntime:
         self.warmup()
         bucket = self._choose(sizes)
         if bucket is None:
-            largest = self.buckets[-1].shape
-            over = sorted(self._violating(largest, sizes), key=lambda violation: str(violation[0]))
-            reason = "no bucket holds " + ", ".join(self.spec.describe(symbol) for symbol, _, _ in over)
-            detail = ", ".join(
-                f"{self.spec.describe(symbol)}={real} {'!=' if symbol in largest.fixed else '>'} {value}"
-                for symbol, real, value in over
-            )
-            return self._miss(reason, args, f" ({detail})")
-        for role in self._copied:
-            if role.index in bucket.buffers:
-                padding.fill(role.role, bucket.buffers[role.index], args[role.index])
-        outputs = cudagraph.run_static(bucket.run, self.cudagraphs)
-        bucket.stats.hits += 1
-        bucket.stats.real_tokens += tokens
-        counters.replays += 1
-        return self._narrow(outputs, substitution)
+            return self._no_bucket(args, sizes)
+        with self._lock, torch.no_grad():
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if self._done is not None:
+                stream.wait_event(self._done)
+            for index, buffer in bucket.buffers.items():
+                fill(self.encoder.roles[index], buffer, args[index])
+            results = self._narrow(bucket.run(self.encoder.compiled), substitution)
+            if stream is not None:
+                self._done = self._done or torch.cuda.Event()
+                self._done.record(stream)
+            bucket.stats.hits += 1
+            bucket.stats.real_tokens += tokens
+            counters.replays += 1
+            self.last_outputs = results
+        return results
 
     # -- reporting ---------------------------------------------------------------------------------------------
     def stats_table(self) -> str:
-        """Per-bucket hits and padding, and the eager fallbacks, as a printable table."""
-        lines = [f"{'budget':>8} {'segments':>9} {'max_seqlen':>11} {'hits':>6} {'padded':>7}"]
+        """Per-bucket hits and padding, pool memory and the eager fallbacks, as a printable table."""
+        lines = [
+            "budget: token rows the bucket holds; segments, max_seqlen: per attention group; hits: calls served; "
+            "padded: share of its rows that were padding",
+            f"{'budget':>8} {'segments':>9} {'max_seqlen':>11} {'hits':>6} {'padded':>7}",
+        ]
         for bucket in self.buckets:
             stats = bucket.stats
             lines.append(
                 f"{stats.budget:>8} {str(list(bucket.shape.segments)):>9} "
                 f"{str(list(bucket.shape.max_seqlen)):>11} {stats.hits:>6} {stats.padded_fraction:>7.1%}"
             )
+        if self.encoder.cudagraphs:
+            lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
         for miss in self.misses.values():
             lines.append(f"eager fallback x{miss.count}: {miss.reason}")
         return "\n".join(lines)

@@ -12,7 +12,7 @@ import torch
 
 from vgraph_compile.passes.spec import Role
 
-__all__ = ["fill", "RULES"]
+__all__ = ["fill", "fill_empty", "RULES"]
 
 
 def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -62,3 +62,9 @@ RULES: dict[Role, Callable[[torch.Tensor, torch.Tensor], None]] = {
 def fill(role: Role, buffer: torch.Tensor, value: torch.Tensor) -> None:
     """Copy ``value`` into ``buffer`` and pad the rest by ``role``'s rule."""
     RULES[role](buffer, value)
+
+
+def fill_empty(role: Role, buffer: torch.Tensor) -> None:
+    """Fill ``buffer`` as for a call with no tokens: one offset 0 (two for packed offsets), no rows."""
+    rows = {Role.SEGMENT_OFFSETS: 1, Role.PACKED_OFFSETS: 2}.get(role, 0)
+    fill(role, buffer, buffer.new_zeros((rows, *buffer.shape[1:])))

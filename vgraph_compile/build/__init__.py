@@ -1,0 +1,118 @@
+"""The build stage: one compiled graph for a traced encoder, then per bucket its buffers and captured graph.
+
+``build(gm, ctx)`` runs after the analyses (``ctx.spec``, ``ctx.buckets``): it rewrites two copies of the trace
+(the eager fallback, and the graph inductor compiles once), binds the parameters (padded where ``align_matmuls``
+asked), prepares the kernels' state, and allocates every bucket's buffers. ``CompiledEncoder.warmup()`` captures
+the CUDA graphs (on the first call). The runtime only validates, fills, replays and narrows.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from vgraph_compile import backends
+from vgraph_compile.build import buckets as bucket_graphs
+from vgraph_compile.build.buckets import Bucket
+from vgraph_compile.build.compile import CompiledFn, compile_once
+from vgraph_compile.counters import counters
+from vgraph_compile.passes import pass_manager, select_kernel
+from vgraph_compile.passes.align_matmuls import PADDED_SHAPE
+from vgraph_compile.passes.fx_utils import example_value
+from vgraph_compile.passes.spec import PassContext, Role
+
+__all__ = ["build", "CompiledEncoder"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompiledEncoder:
+    """What the build made of one trace; the runtime serves calls from it."""
+
+    eager: torch.fx.GraphModule
+    """The trace with the configured kernels, run as is for calls no bucket serves."""
+    compiled: CompiledFn
+    """The graph compiled once, symbolic in every token and segment size."""
+    buckets: list[Bucket]
+    """Smallest budget first."""
+    cudagraphs: bool
+    roles: dict[int, Role]
+    """Role of each input filled per call, by graph input index."""
+    pool_bytes: int = 0
+    """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
+    _captured: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def warmup(self) -> None:
+        """Capture every bucket's CUDA graph (largest first, one pool); idempotent and thread-safe."""
+        with self._lock:
+            if self._captured:
+                return
+            if self.cudagraphs:
+                reserved = torch.cuda.memory_reserved()
+                with torch.inference_mode(False):
+                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles)
+                self.pool_bytes = torch.cuda.memory_reserved() - reserved
+            self._captured = True
+
+
+def _cudagraphs(ctx: PassContext) -> bool:
+    config = ctx.config
+    wanted = ctx.device.type == "cuda" and config.compiler == "inductor" if config.cudagraphs is None else config.cudagraphs
+    if wanted and (ctx.device.type != "cuda" or config.compiler != "inductor"):
+        raise ValueError(
+            f"cudagraphs=True needs a CUDA encoder compiled with inductor (device {ctx.device}, compiler "
+            f"{config.compiler!r}): set cudagraphs=None or compiler='inductor'"
+        )
+    return wanted
+
+
+def _bind_parameters(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
+    """Per graph input: the parameter tensor (zero-padded to its aligned shape) or None (filled per call)."""
+    bound: list[Any] = []
+    for node, role in zip(gm.graph.find_nodes(op="placeholder"), ctx.spec.inputs):
+        value = ctx.example_inputs[role.index]
+        if role.role is not Role.PARAMETER:
+            bound.append(None)
+            continue
+        padded = node.meta.get(PADDED_SHAPE)
+        if padded is not None:
+            with torch.no_grad(), torch.inference_mode(False):
+                growth = [(0, new - old) for old, new in zip(value.shape, padded)]
+                value = F.pad(value.detach(), [amount for pair in reversed(growth) for amount in pair])
+        bound.append(value)
+    return bound
+
+
+def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
+    """Rewrite, compile once, bind and allocate; ``gm`` itself is left as traced."""
+    cudagraphs = _cudagraphs(ctx)
+    eager = pass_manager.rewrite(copy.deepcopy(gm), ctx, pass_manager.REWRITES)
+    compiled_graph = pass_manager.rewrite(copy.deepcopy(gm), ctx, pass_manager.REWRITES + pass_manager.COMPILE_REWRITES)
+    for name, device in select_kernel.kernels_used(compiled_graph):
+        backends.BACKENDS[name].prepare(device)
+    bound = _bind_parameters(compiled_graph, ctx)
+    compiled, shapes = compile_once(compiled_graph, ctx, ctx.config)
+    placeholders = list(compiled_graph.graph.find_nodes(op="placeholder"))
+    copied, sizes = {}, {}
+    for role, node in zip(ctx.spec.inputs, placeholders):
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and bound[role.index] is None:
+            copied[role.index] = (value.dtype, value.device)
+        elif isinstance(value, torch.SymInt):
+            sizes[role.index] = value.node.expr
+        elif not isinstance(value, torch.Tensor):
+            bound[role.index] = value
+    with torch.inference_mode(False):
+        buckets = bucket_graphs.allocate(ctx.spec, shapes, bound, copied, sizes)
+    counters.buckets_built += len(buckets)
+    roles = {index: ctx.spec.inputs[index].role for index in copied}
+    return CompiledEncoder(eager, compiled, buckets, cudagraphs, roles)

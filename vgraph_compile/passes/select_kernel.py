@@ -1,0 +1,62 @@
+"""Rewrite: every ``vgraph::varlen_attention`` site names the kernel that runs it.
+
+Invariant: inputs, outputs and every other node are unchanged; only the ``backend`` argument of vgraph's own ops
+moves. It runs on the eager fallback and on the graph inductor compiles alike, so both run the same kernel. A
+kernel is resolved for the device and dtype of that site's own q; a site on packed offsets keeps its kernel unless
+a packed one is configured. No kernel state (workspaces) is allocated here: the build does that
+(``kernels_used``).
+
+Before/After (``attention_backend="sdpa"``)::
+
+    varlen_attention.default(q, k, v, l_cu_seqlens_, l_max_seqlen_)
+    varlen_attention.default(q, k, v, l_cu_seqlens_, l_max_seqlen_, backend='sdpa')
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import torch
+import torch.fx
+
+from vgraph_compile import backends
+from vgraph_compile.counters import counters
+from vgraph_compile.passes.discover_varlen import VARLEN_OPS, VarlenOp
+from vgraph_compile.passes.fx_utils import example_value, get_argument, op_name, set_argument
+from vgraph_compile.passes.spec import PassContext
+
+__all__ = ["run", "kernels_used"]
+
+log = logging.getLogger(__name__)
+
+
+def _kernel_sites(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, VarlenOp]]:
+    """Sites of ops that take a ``backend`` argument."""
+    for node in gm.graph.nodes:
+        op = VARLEN_OPS.get(op_name(node)) if node.op == "call_function" else None
+        if op is not None and op.backend is not None:
+            yield node, op
+
+
+def kernels_used(gm: torch.fx.GraphModule) -> set[tuple[str, torch.device]]:
+    """(kernel name, device) of every site, for the build to prepare before any graph is captured."""
+    return {
+        (get_argument(node, op.backend), example_value(get_argument(node, op.q)).device)
+        for node, op in _kernel_sites(gm)
+    }
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    rewritten = 0
+    for node, op in _kernel_sites(gm):
+        q = example_value(get_argument(node, op.q))
+        configured = backends.resolve(ctx.config.attention_backend, q.device, q.dtype)
+        if op.packed and not configured.packed:
+            continue
+        if get_argument(node, op.backend) != configured.name:
+            set_argument(node, op.backend, configured.name)
+            rewritten += 1
+    counters.nodes_rewritten += rewritten
+    log.debug("pointed %d varlen sites at the configured kernel", rewritten)
+    return gm

@@ -1,0 +1,194 @@
+"""Calling the runtime straight from the encoder's own arguments, without dynamo: the hot path.
+
+Dynamo records where each graph input came from (a placeholder's ``grapharg.source``: ``L['patches']``,
+``L['patches'].size()[0]``, ``L['self']._modules['blocks']...``). ``CallArguments`` turns those sources into
+readers over the call's bound arguments: inputs rooted in an argument are read per call; everything else
+(parameters, module state, globals) is bound once, to the value the trace saw.
+
+Invariant: ``read`` gives the same graph inputs dynamo would pass, or None when the call differs from the
+trace in a way only a retrace can tell: another structure (None where a tensor was), or another value of an
+argument the trace specialized (a flag, a float, an int it did not make a size). Tensors' dtypes, devices and
+static dims are the runtime's own per-call checks. ``OutputLayout`` rebuilds what the encoder returns (a tensor,
+or tuples and lists of them) from the runtime's flat outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._dynamo import source as dynamo_source
+
+__all__ = ["CallArguments", "OutputLayout", "argument_rooted", "source_name"]
+
+log = logging.getLogger(__name__)
+
+Reader = Callable[[dict[str, Any]], Any]
+
+
+def source_name(source) -> str:
+    """A dynamo source as text (``L['x'].size()[0]``); a property in newer torch, a method in older."""
+    name = source.name
+    return name() if callable(name) else name
+
+
+def argument_rooted(source) -> bool:
+    """Whether ``source`` reads from one of the traced frame's arguments (``self`` excluded)."""
+    while isinstance(source, dynamo_source.ChainedSource):
+        source = source.base
+    return isinstance(source, dynamo_source.LocalSource) and source.is_input and source.local_name != "self"
+
+
+class _Unsupported(Exception):
+    """A source the hot path cannot read; the encoder keeps going through dynamo."""
+
+
+def _reader(source, arguments: set[str]) -> tuple[Reader, tuple] | None:
+    """(reader over the bound arguments, its path) for a source rooted in an argument; None for other roots."""
+    if isinstance(source, dynamo_source.LocalSource):
+        if source.local_name not in arguments:
+            return None
+        name = source.local_name
+        return (lambda local: local[name]), (name,)
+    if isinstance(source, (dynamo_source.GetItemSource, dynamo_source.DictGetItemSource)):
+        index = source.index
+        if isinstance(index, dynamo_source.Source) or getattr(source, "index_is_slice", False):
+            raise _Unsupported(f"an indexed argument ({type(index).__name__})")
+        inner = _reader(source.base, arguments)
+        if inner is None:
+            return None
+        read, path = inner
+        return (lambda local: read(local)[index]), (*path, index)
+    if isinstance(source, dynamo_source.TensorPropertySource):
+        inner = _reader(source.base, arguments)
+        if inner is None:
+            return None
+        if source.prop is not dynamo_source.TensorProperty.SIZE:
+            raise _Unsupported(f"a tensor's {source.prop.name.lower()}")
+        read, path = inner
+        dim = source.idx
+        return (lambda local: read(local).shape[dim]), (*path, f"size{dim}")
+    if isinstance(source, dynamo_source.AttrSource):
+        inner = _reader(source.base, arguments)
+        if inner is None:
+            return None
+        read, path = inner
+        member = source.member
+        return (lambda local: getattr(read(local), member)), (*path, member)
+    if isinstance(source, dynamo_source.ChainedSource):
+        if _reader(source.base, arguments) is None:
+            return None
+        raise _Unsupported(type(source).__name__)
+    return None
+
+
+def _fingerprint(value: Any, path: tuple, sizes: set[tuple]) -> Any:
+    """What of ``value`` the trace depends on beyond the graph inputs: structure, and specialized constants."""
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(_fingerprint(item, (*path, i), sizes) for i, item in enumerate(value))
+    if isinstance(value, dict):
+        return dict, tuple((key, _fingerprint(item, (*path, key), sizes)) for key, item in value.items())
+    if isinstance(value, int) and not isinstance(value, bool) and path in sizes:
+        return int
+    return type(value), value
+
+
+@dataclass
+class CallArguments:
+    """Reads every graph input of one trace from an encoder call's arguments."""
+
+    signature: inspect.Signature
+    readers: list[Reader | None]
+    """Per graph input: how to read it per call, or None when it is bound."""
+    bound: list[Any]
+    """Per graph input: its value fixed at trace time (where ``readers`` is None)."""
+    sizes: set[tuple]
+    """Paths of the int arguments that are graph inputs (sizes), so their value may change."""
+    fingerprint: Any = None
+
+    @classmethod
+    def from_trace(cls, sources: Sequence[Any], fixed: Sequence[Any], forward: Callable[..., Any]) -> "CallArguments | None":
+        """Readers for the graph inputs of ``sources`` (dynamo's, one per input; ``fixed`` holds the traced value
+        of each input not rooted in an argument). None (logged) when the hot path cannot read some input."""
+        signature = inspect.signature(forward)
+        names = set(signature.parameters)
+        readers, paths = [], set()
+        for index, source in enumerate(sources):
+            try:
+                if source is None:
+                    raise _Unsupported(f"graph input {index} has no source")
+                found = _reader(source, names)
+                if found is None and fixed[index] is None:
+                    raise _Unsupported(f"graph input {index} ({source_name(source)}) that is neither an argument nor state")
+            except _Unsupported as why:
+                log.info("the encoder keeps dynamo's guards on every call: its inputs include %s", why)
+                return None
+            readers.append(found and found[0])
+            if found is not None:
+                paths.add(found[1])
+        return cls(signature, readers, list(fixed), paths)
+
+    def _local(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def remember(self, args: tuple, kwargs: dict) -> None:
+        """Record the traced call's fingerprint (structure and specialized constants)."""
+        local = self._local(args, kwargs)
+        self.fingerprint = {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()}
+
+    def read(self, args: tuple, kwargs: dict) -> list[Any] | None:
+        """The graph inputs for this call, or None when it needs a retrace."""
+        try:
+            local = self._local(args, kwargs)
+        except TypeError:
+            return None
+        if {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()} != self.fingerprint:
+            return None
+        return [fixed if read is None else read(local) for read, fixed in zip(self.readers, self.bound)]
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where each returned tensor sits among the runtime's outputs: an index, or a list/tuple of layouts."""
+
+    layout: Any
+
+    @classmethod
+    def match(cls, result: Any, outputs: Sequence[Any]) -> "OutputLayout | None":
+        """The layout of ``result`` over ``outputs`` (by identity); None when something else is returned."""
+
+        def find(value):
+            if isinstance(value, torch.Tensor):
+                for index, output in enumerate(outputs):
+                    if output is value:
+                        return index
+                raise _Unsupported("a tensor that is not a graph output")
+            if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+                return type(value), tuple(find(item) for item in value)
+            if value is None:
+                return None
+            raise _Unsupported(f"a {type(value).__name__}")
+
+        try:
+            return cls(find(result))
+        except _Unsupported as why:
+            log.info("the encoder keeps dynamo on every call: it returns %s", why)
+            return None
+
+    def build(self, outputs: Sequence[Any]) -> Any:
+        def make(layout):
+            if layout is None:
+                return None
+            if isinstance(layout, int):
+                return outputs[layout]
+            kind, items = layout
+            return kind(make(item) for item in items)
+
+        return make(self.layout)
