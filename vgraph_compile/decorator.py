@@ -74,6 +74,11 @@ class CompiledEncoderFunction:
         self._trace_lock = threading.Lock()
         functools.update_wrapper(self, self._forward)
 
+    @property
+    def traced(self) -> bool:
+        """Whether calls skip dynamo now (the first trace is done and its inputs can be read directly)."""
+        return self._hot is not None
+
     def _needs_autograd(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False

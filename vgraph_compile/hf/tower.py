@@ -186,12 +186,16 @@ class CompiledVisionTower:
             hidden = pixel_values.new_empty(0, hidden_width(self.tower.config))
             return self._output(empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ())))
         batches = pack(grid, self.config.budgets[-1], self.config.max_items, self.config.max_frames)
-        with routed_attention(self.tower):
+        with self._routing():
             if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
                 outputs = self._run(pixel_values, tuple(grid))
                 return self._output(outputs[0], outputs[1], outputs[2:])
             self.split_calls += 1
             return self._split(pixel_values, grid, batches)
+
+    def _routing(self) -> contextlib.AbstractContextManager:
+        """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
+        return contextlib.nullcontext() if self.compiled.traced else routed_attention(self.tower)
 
     def _split(self, pixel_values, grid, batches: list[Batch]):
         merge = self.geometry.spatial_merge_size**2
