@@ -569,10 +569,17 @@ def table(report: dict[str, Any]) -> str:
 
 
 # -- targets --------------------------------------------------------------------------------------------------------
+def _ended_ok(report: dict[str, Any], system: str) -> bool:
+    """Whether ``system`` ran to the end: a failed run's numbers (its zeros above all) prove nothing."""
+    return report["systems"].get(system, {}).get("status") == "ok"
+
+
 def _value(report: dict[str, Any], system: str, key: str) -> float | None:
-    """``key`` of ``system``'s row; None unless the system ran to the end (a failed run's zeros prove nothing)."""
-    row = report["systems"].get(system, {})
-    return row.get(key) if row.get("status") == "ok" else None
+    return report["systems"][system].get(key) if _ended_ok(report, system) else None
+
+
+def _case(report: dict[str, Any], case: str, system: str) -> float | None:
+    return report["cases"].get(case, {}).get(system) if _ended_ok(report, system) else None
 
 
 def _of_vgraph(key: str) -> Callable[[dict[str, Any], float | None], float | None]:
@@ -584,12 +591,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def _worst_case_vs_oracle(report: dict[str, Any], baseline: float | None) -> float | None:
-    ratios = [
-        row["vgraph"] / row["exact_shape_oracle"]
-        for row in report["cases"].values()
-        if "vgraph" in row and "exact_shape_oracle" in row
-    ]
-    return max(ratios, default=None)
+    ratios = [_ratio(_case(report, case, "vgraph"), _case(report, case, "exact_shape_oracle")) for case in report["cases"]]
+    return max((ratio for ratio in ratios if ratio is not None), default=None)
 
 
 @dataclass(frozen=True)
@@ -622,7 +625,7 @@ TARGETS = (
         "1x224^2 ms, vgraph",
         operator.le,
         3.0,
-        lambda report, baseline: report["cases"].get("1x224^2", {}).get("vgraph"),
+        lambda report, baseline: _case(report, "1x224^2", "vgraph"),
     ),
     Target("host ms per call, vgraph", operator.le, 0.15, _of_vgraph("host_ms_per_call_p50")),
     Target("cold warm-up s, vgraph", operator.le, 30.0, _of_vgraph("warmup_s")),
