@@ -7,7 +7,10 @@ Checks, then times, one tower per run:
   1x1344^2, a 16-frame 336^2 video). The stock tower computes its metadata on grid_thw's device, so it gets
   grid_thw on the GPU.
 
-    python benchmarks/hf_towers.py qwen2.5-vl [--json PATH]
+    python benchmarks/hf_towers.py qwen2.5-vl [--json PATH] [--min-tokens N --max-tokens N --budget-growth G]
+
+Budgets are the library's defaults unless any of the budget options is given (then the library's defaults fill
+the others).
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ import time
 
 import torch
 
-from vgraph_compile.bench import CASES_PX, median_ms, to_grid
+from vgraph_compile.bench import CASES_PX, cuda_graph_captures, median_ms, to_grid
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.models.qwen_towers import qwen_tower
-from vgraph_compile.runtime.cudagraph import recorded_graphs
 
 
 def relative(out, ref) -> float:
@@ -33,17 +35,28 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("tower", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
     parser.add_argument("--json")
-    parser.add_argument("--budget-growth", type=float, default=2.0, help="ratio between budgets (1024 to 16384)")
+    parser.add_argument("--min-tokens", type=int, help="smallest budget (patches); default: the library's")
+    parser.add_argument("--max-tokens", type=int, help="largest budget (patches); default: the library's")
+    parser.add_argument("--budget-growth", type=float, help="ratio between budgets; default: the library's")
     args = parser.parse_args()
+    budgets = {
+        name: value
+        for name, value in (
+            ("min_tokens", args.min_tokens),
+            ("max_tokens", args.max_tokens),
+            ("budget_growth", args.budget_growth),
+        )
+        if value is not None
+    }
+    if not torch.cuda.is_available():
+        raise SystemExit("hf_towers.py times CUDA graphs and no CUDA GPU is visible: run it on a machine with one")
     fp32 = qwen_tower(args.tower, dtype=torch.float32)
     bf16 = qwen_tower(args.tower, dtype=torch.bfloat16)
     bf16.load_state_dict(fp32.state_dict())
     patch = fp32.config.patch_size
     width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
     start = time.perf_counter()
-    tower = compile_vision_tower(
-        bf16, min_tokens=1024, max_tokens=16384, budget_growth=args.budget_growth, max_items=8, max_frames=16
-    )
+    tower = compile_vision_tower(bf16, max_items=8, max_frames=16, **budgets)
     with torch.inference_mode():
         tower.warmup()
     torch.cuda.synchronize()
@@ -81,11 +94,11 @@ def main() -> None:
             out = tower(x.bfloat16(), grid_thw).pooler_output
             assert not out.isnan().any()
             report["errors"].append((round(relative(out, ref), 5), round(relative(eager, ref), 5)))
-        graphs, traces = recorded_graphs(), len(tower.runtimes)
+        graphs, traces = cuda_graph_captures(), len(tower.runtimes)
         for _ in range(50):
             grid_thw = random_batch()
             tower(pixels(grid_thw, torch.bfloat16), grid_thw)
-        report["rerecords"] = recorded_graphs() - graphs
+        report["rerecords"] = cuda_graph_captures() - graphs
         report["retraces"] = len(tower.runtimes) - traces
         for case, items_px in CASES_PX.items():
             grid_thw = grid_of(items_px)
