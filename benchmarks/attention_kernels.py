@@ -2,8 +2,8 @@
 
 Each kernel runs through ``vgraph::varlen_attention`` (so the op's zeroing of padding rows is included), 16 heads,
 bf16, head_dim 80 and 72. After three warm-up calls (JIT and cuDNN plans) the call is captured in one CUDA graph
-and the replay is timed (CUDA events, median); a kernel that cannot be captured is timed as plain launches, and
-the row says which. Shapes: one 1344^2 image (1x9216 patches), 4x336^2 (4x2304), 16 small segments (16x256),
+and the replay is timed (CUDA events, median); kernels named in ``--plain`` are timed as plain launches instead,
+and each row says which. Shapes: one 1344^2 image (1x9216 patches), 4x336^2 (4x2304), 16 small segments (16x256),
 Qwen2.5-VL's window attention (window_size 112 px / patch 14 = 8x8 patches = 64 rows per full window) for
 1344^2 (144x64), 4x336^2 (36x64) and 280^2 (edge windows of 32 and 16 rows), and an 8192-row bucket holding
 four images and 12 empty segments (``max_seqlen`` = the bucket). ``sdpa_dense_cudnn`` is the reference the
@@ -59,7 +59,7 @@ def attention_flops(lengths: list[int], head_dim: int) -> float:
 
 def _inputs(lengths, rows, slots, head_dim):
     bounds = torch.tensor([0, *lengths] + [0] * (slots - len(lengths)), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q, k, v = (torch.randn(rows, HEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(rows, HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
     max_seqlen = max(lengths) if rows == sum(lengths) else rows
     return q, k, v, bounds.cuda(), max_seqlen
 
@@ -81,7 +81,7 @@ def _relative_error(out, q, k, v, cu, max_seqlen, end):
     return ((out[:end].float() - ref[:end]).norm() / ref[:end].norm()).item()
 
 
-def measure(call, lengths, rows, slots, head_dim, repeats) -> dict:
+def measure(call, lengths, rows, slots, head_dim, repeats, capture=True) -> dict:
     """Error against fp32, isolation of NaN padding rows, and the median time of a graph replay (or launch)."""
     q, k, v, cu, max_seqlen = _inputs(lengths, rows, slots, head_dim)
     end = sum(lengths)
@@ -96,14 +96,12 @@ def measure(call, lengths, rows, slots, head_dim, repeats) -> dict:
         row["nan_padding_isolated"] = bool(call(*poisoned, cu, max_seqlen)[:end].isfinite().all())
     for _ in range(3):
         call(q, k, v, cu, max_seqlen)
-    try:
+    if capture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(q, k, v, cu, max_seqlen)
         row["ms"], row["mode"] = median_ms(graph.replay, repeats=repeats), "cuda_graph_replay"
-    except RuntimeError as error:
-        row["capture_error"] = str(error).splitlines()[0][:200]
-        torch.cuda.synchronize()
+    else:
         row["ms"], row["mode"] = median_ms(lambda: call(q, k, v, cu, max_seqlen), repeats=repeats), "plain_launch"
     row["tflops"] = round(attention_flops(lengths, head_dim) / row["ms"] / 1e9, 1)
     row["ms"] = round(row["ms"], 4)
@@ -116,9 +114,7 @@ def measure_dense(lengths, head_dim, repeats) -> dict | None:
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = (
-        torch.randn(len(lengths), HEADS, lengths[0], head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
-    )
+    q, k, v = (torch.randn(len(lengths), HEADS, lengths[0], head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), repeats=repeats)
     return {"ms": round(ms, 4), "mode": "plain_launch", "tflops": round(attention_flops(lengths, head_dim) / ms / 1e9, 1)}
@@ -138,7 +134,9 @@ def available(device: torch.device) -> list[str]:
     return names
 
 
-def run(kernels: list[str], repeats: int) -> dict:
+def run(kernels: list[str], repeats: int, plain: set[str], json_path: str | None) -> dict:
+    """Every case for every kernel; ``plain`` kernels are timed as plain launches (a failed capture leaves the
+    process's CUDA generator unusable, so it is not tried). The JSON is rewritten after each case."""
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -155,7 +153,9 @@ def run(kernels: list[str], repeats: int) -> dict:
             results = report["cases"][key] = {}
             for name in kernels:
                 try:
-                    results[name] = measure(_call(name), lengths, rows, slots, head_dim, repeats)
+                    results[name] = measure(
+                        _call(name), lengths, rows, slots, head_dim, repeats, capture=name not in plain
+                    )
                 except Exception as error:  # noqa: BLE001  (a kernel that fails on a shape is reported, not fatal)
                     results[name] = {"error": traceback.format_exception_only(error)[-1].strip()[:300]}
                     torch.cuda.synchronize()
@@ -163,6 +163,9 @@ def run(kernels: list[str], repeats: int) -> dict:
             if dense is not None:
                 results[DENSE] = dense
             print(key, {name: row.get("ms", row.get("error")) for name, row in results.items()}, flush=True)
+            if json_path:
+                with open(json_path, "w") as handle:
+                    json.dump(report, handle, indent=1)
     return report
 
 
@@ -220,15 +223,13 @@ def plot(report: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", help="backends to time (default: every one that runs here)")
+    parser.add_argument("--plain", nargs="*", default=[], help="kernels to time as plain launches, not captured")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
-    report = run(args.kernels or available(torch.device("cuda")), args.repeats)
+    report = run(args.kernels or available(torch.device("cuda")), args.repeats, set(args.plain), args.json)
     print(table(report))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
     if args.plot:
         plot(report, args.plot)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 if TYPE_CHECKING:
     import torch
 
-AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference"]
+AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "cudnn", "flashinfer", "packed_reference"]
 """Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
 
 
@@ -73,17 +73,10 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
     )
 
 
-def installed(module: str) -> bool:
-    """Whether ``module`` (dotted names too) can be imported, without importing it."""
-    top, _, _ = module.partition(".")
-    return importlib.util.find_spec(top) is not None and importlib.util.find_spec(module) is not None
-
-
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
-    "cudnn": AttentionBackend("cudnn", "cudnn", _cudnn_attention),
-    "fa4": AttentionBackend("fa4", "fa4", _cuda_half_kernel, package=("flash_attn.cute", "flash-attn-4")),
+    "cudnn": AttentionBackend("cudnn", "cudnn", _cudnn_attention, package=("cudnn", "nvidia-cudnn-frontend")),
     "flashinfer": AttentionBackend(
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
@@ -103,14 +96,14 @@ def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> Attentio
             f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
         )
     backend = BACKENDS[name]
+    if backend.package is not None and importlib.util.find_spec(backend.package[0]) is None:
+        raise ValueError(
+            f"attention backend {name!r} needs the optional package {backend.package[1]}: "
+            f"pip install {backend.package[1]}"
+        )
     if not backend.supports(device, dtype):
         raise ValueError(
             f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa needs "
             "CUDA and fp16/bf16 (cudnn: an sm80+ GPU); use attention_backend='auto' or 'sdpa'"
-        )
-    if backend.package is not None and not installed(backend.package[0]):
-        raise ValueError(
-            f"attention backend {name!r} needs the optional package {backend.package[1]}: "
-            f"pip install {backend.package[1]}"
         )
     return backend
