@@ -86,7 +86,7 @@ def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
         varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="packed_reference")
 
 
-@pytest.mark.parametrize("name, package", [("flash_attn", "flash-attn"), ("flashinfer", "flashinfer-python")])
+@pytest.mark.parametrize("name, package", [("cudnn", "nvidia-cudnn-frontend"), ("flashinfer", "flashinfer-python")])
 def test_missing_optional_kernel_names_its_pip_package(name, package):
     import importlib.util
 
@@ -94,3 +94,21 @@ def test_missing_optional_kernel_names_its_pip_package(name, package):
         pytest.skip(f"{name} is installed")
     with pytest.raises(ValueError, match=f"needs the optional package {package}: pip install {package}"):
         backends.resolve(name, torch.device("cuda"), torch.bfloat16)
+
+
+def test_cudnn_backend_is_registered_and_validates_head_dim():
+    """``cudnn`` is a config-level kernel name; head dims cuDNN cannot take are refused with the fix."""
+    from typing import get_args
+
+    from vgraph_compile.backends import cudnn
+    from vgraph_compile.config import VGraphConfig
+
+    assert "cudnn" in backends.BACKENDS and "cudnn" in get_args(backends.AttentionBackendName)
+    assert VGraphConfig(attention_backend="cudnn").attention_backend == "cudnn"
+    cudnn.check_head_dim(72)
+    for head_dim in (70, 136):
+        with pytest.raises(ValueError, match=f"head_dim={head_dim}: pad q/k/v to the next multiple of 8"):
+            cudnn.check_head_dim(head_dim)
+    q = torch.zeros(4, 2, 70)
+    with pytest.raises(ValueError, match="head_dim=70"):
+        cudnn.attention(q, q, q, torch.tensor([0, 4], dtype=torch.int32), 4, None)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 if TYPE_CHECKING:
     import torch
 
-AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "flash_attn", "flashinfer", "packed_reference"]
+AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "cudnn", "flashinfer", "packed_reference"]
 """Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
 
 
@@ -62,10 +62,21 @@ def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
+def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
+    """cuDNN's fused attention: a cuDNN build of torch and an sm80+ GPU."""
+    import torch
+
+    return (
+        _cuda_half_kernel(device, dtype)
+        and torch.backends.cudnn.is_available()
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
-    "flash_attn": AttentionBackend("flash_attn", "flash_attn", _cuda_half_kernel, package=("flash_attn", "flash-attn")),
+    "cudnn": AttentionBackend("cudnn", "cudnn", _cudnn_attention, package=("cudnn", "nvidia-cudnn-frontend")),
     "flashinfer": AttentionBackend(
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
@@ -85,14 +96,14 @@ def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> Attentio
             f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
         )
     backend = BACKENDS[name]
-    if not backend.supports(device, dtype):
-        raise ValueError(
-            f"attention backend {name!r} cannot run on {device.type} with {dtype}: torch_varlen, flash_attn and "
-            "flashinfer need CUDA and fp16/bf16 (torch_varlen: torch>=2.10); use attention_backend='auto' or 'sdpa'"
-        )
     if backend.package is not None and importlib.util.find_spec(backend.package[0]) is None:
         raise ValueError(
             f"attention backend {name!r} needs the optional package {backend.package[1]}: "
             f"pip install {backend.package[1]}"
+        )
+    if not backend.supports(device, dtype):
+        raise ValueError(
+            f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa needs "
+            "CUDA and fp16/bf16 (cudnn: an sm80+ GPU); use attention_backend='auto' or 'sdpa'"
         )
     return backend

@@ -1,0 +1,238 @@
+"""Every installed attention backend at ViT shapes: ms per call, achieved TFLOP/s and error against fp32.
+
+Each kernel runs through ``vgraph::varlen_attention`` (so the op's zeroing of padding rows is included), 16 heads,
+bf16, head_dim 80 and 72. After three warm-up calls (JIT and cuDNN plans) the call is captured in one CUDA graph
+and the replay is timed (CUDA events, median); kernels named in ``--plain`` are timed as plain launches instead,
+and each row says which. Shapes: one 1344^2 image (1x9216 patches), 4x336^2 (4x2304), 16 small segments (16x256),
+Qwen2.5-VL's window attention (window_size 112 px / patch 14 = 8x8 patches = 64 rows per full window) for
+1344^2 (144x64), 4x336^2 (36x64) and 280^2 (edge windows of 32 and 16 rows), and an 8192-row bucket holding
+four images and 12 empty segments (``max_seqlen`` = the bucket). ``sdpa_dense_cudnn`` is the reference the
+stock towers get: SDPA forced to cuDNN on a dense batch of equal-length segments (equal-length shapes only).
+
+    python benchmarks/attention_kernels.py [--kernels cudnn torch_varlen ...] [--json PATH] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import traceback
+from datetime import date
+
+import torch
+import torch.nn.functional as F
+
+from vgraph_compile import backends
+from vgraph_compile.bench import median_ms
+from vgraph_compile.ops import packed_varlen_attention, varlen_attention
+
+HEADS = 16
+HEAD_DIMS = (80, 72)
+WINDOW = 112 // 14
+"""Qwen2.5-VL window side in patches (window_size 112 px, patch 14)."""
+DENSE = "sdpa_dense_cudnn"
+
+
+def window_lengths(height_px: int, width_px: int, images: int = 1) -> list[int]:
+    """Rows of each Qwen2.5-VL attention window of ``images`` images of this size (edge windows are smaller)."""
+    sides = [[min(WINDOW, n - start) for start in range(0, n, WINDOW)] for n in (height_px // 14, width_px // 14)]
+    return [h * w for h in sides[0] for w in sides[1]] * images
+
+
+CASES: dict[str, tuple[list[int], int, int]] = {
+    "1x9216": ([9216], 9216, 1),
+    "4x2304": ([2304] * 4, 9216, 4),
+    "16x256": ([256] * 16, 4096, 16),
+    "win 144x64 (1344^2)": (window_lengths(1344, 1344), 9216, 144),
+    "win 36x64 (4x336^2)": (window_lengths(336, 336, 4), 2304, 36),
+    "win 9 (280^2)": (window_lengths(280, 280), 400, 9),
+    "bucket 8192: 4 real + 12 empty": ([4096, 2304, 1024, 576], 8192, 16),
+}
+"""name -> (real segment lengths, rows in the buffer, segment slots); slots beyond the real segments are empty."""
+
+
+def attention_flops(lengths: list[int], head_dim: int) -> float:
+    """QK^T and PV of every real segment: 4 * heads * head_dim * sum(length^2)."""
+    return 4.0 * HEADS * head_dim * sum(n * n for n in lengths)
+
+
+def _inputs(lengths, rows, slots, head_dim):
+    bounds = torch.tensor([0, *lengths] + [0] * (slots - len(lengths)), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q, k, v = (torch.randn(rows, HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
+    max_seqlen = max(lengths) if rows == sum(lengths) else rows
+    return q, k, v, bounds.cuda(), max_seqlen
+
+
+def _call(name: str):
+    backend = backends.BACKENDS[name]
+    if not backend.packed:
+        return lambda q, k, v, cu, m: varlen_attention(q, k, v, cu, m, backend=name)
+
+    def packed(q, k, v, cu, m):
+        offsets = cu * (q.shape[1] * q.shape[2])
+        return packed_varlen_attention(q, k, v, torch.cat([offsets, offsets]), m, backend=name)
+
+    return packed
+
+
+def _relative_error(out, q, k, v, cu, max_seqlen, end):
+    ref = varlen_attention(q.float(), k.float(), v.float(), cu, max_seqlen, backend="sdpa")
+    return ((out[:end].float() - ref[:end]).norm() / ref[:end].norm()).item()
+
+
+def measure(call, lengths, rows, slots, head_dim, repeats, capture=True) -> dict:
+    """Error against fp32, isolation of NaN padding rows, and the median time of a graph replay (or launch)."""
+    q, k, v, cu, max_seqlen = _inputs(lengths, rows, slots, head_dim)
+    end = sum(lengths)
+    out = call(q, k, v, cu, max_seqlen)
+    row = {
+        "rel_err_vs_fp32": round(_relative_error(out, q, k, v, cu, max_seqlen, end), 5),
+        "padding_rows_zero": bool(torch.equal(out[end:], torch.zeros_like(out[end:]))),
+        "finite": bool(out.isfinite().all()),
+    }
+    if rows > end:
+        poisoned = [t.clone().index_fill_(0, torch.arange(end, rows, device="cuda"), float("nan")) for t in (q, k, v)]
+        row["nan_padding_isolated"] = bool(call(*poisoned, cu, max_seqlen)[:end].isfinite().all())
+    for _ in range(3):
+        call(q, k, v, cu, max_seqlen)
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(q, k, v, cu, max_seqlen)
+        row["ms"], row["mode"] = median_ms(graph.replay, repeats=repeats), "cuda_graph_replay"
+    else:
+        row["ms"], row["mode"] = median_ms(lambda: call(q, k, v, cu, max_seqlen), repeats=repeats), "plain_launch"
+    row["tflops"] = round(attention_flops(lengths, head_dim) / row["ms"] / 1e9, 1)
+    row["ms"] = round(row["ms"], 4)
+    return row
+
+
+def measure_dense(lengths, head_dim, repeats) -> dict | None:
+    """SDPA on the cuDNN backend over a dense [segments, heads, length, head_dim] batch (equal lengths only)."""
+    if len(set(lengths)) != 1:
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(len(lengths), HEADS, lengths[0], head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), repeats=repeats)
+    return {"ms": round(ms, 4), "mode": "plain_launch", "tflops": round(attention_flops(lengths, head_dim) / ms / 1e9, 1)}
+
+
+def available(device: torch.device) -> list[str]:
+    """Backends that resolve on this device for bf16 (the CPU offset reference excluded)."""
+    names = []
+    for name in backends.BACKENDS:
+        if name == "packed_reference":
+            continue
+        try:
+            backends.resolve(name, device, torch.bfloat16)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+def run(kernels: list[str], repeats: int, plain: set[str], json_path: str | None) -> dict:
+    """Every case for every kernel; ``plain`` kernels are timed as plain launches (a failed capture leaves the
+    process's CUDA generator unusable, so it is not tried). The JSON is rewritten after each case."""
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "date": date.today().isoformat(),
+        "timing": "CUDA-event median of CUDA graph replays of one op call (plain launches where the row says so)",
+        "heads": HEADS,
+        "dtype": "bfloat16",
+        "cases": {},
+    }
+    for head_dim in HEAD_DIMS:
+        for case, (lengths, rows, slots) in CASES.items():
+            key = f"d{head_dim} {case}"
+            results = report["cases"][key] = {}
+            for name in kernels:
+                try:
+                    results[name] = measure(
+                        _call(name), lengths, rows, slots, head_dim, repeats, capture=name not in plain
+                    )
+                except Exception as error:  # noqa: BLE001  (a kernel that fails on a shape is reported, not fatal)
+                    results[name] = {"error": traceback.format_exception_only(error)[-1].strip()[:300]}
+                    torch.cuda.synchronize()
+            dense = measure_dense(lengths, head_dim, repeats)
+            if dense is not None:
+                results[DENSE] = dense
+            print(key, {name: row.get("ms", row.get("error")) for name, row in results.items()}, flush=True)
+            if json_path:
+                with open(json_path, "w") as handle:
+                    json.dump(report, handle, indent=1)
+    return report
+
+
+def table(report: dict) -> str:
+    kernels = sorted({name for row in report["cases"].values() for name in row}, key=str)
+    lines = [f"{report['device']}, torch {report['torch']}, cuDNN {report['cudnn']}; {report['timing']}"]
+    lines.append(f"{'case':>36} " + " ".join(f"{name[:16]:>22}" for name in kernels))
+    for case, row in report["cases"].items():
+        cells = []
+        for name in kernels:
+            result = row.get(name)
+            if result is None:
+                cells.append("-")
+            elif "error" in result:
+                cells.append("error")
+            else:
+                cells.append(f"{result['ms']:.3f} ms {result['tflops']:.0f} TF")
+        lines.append(f"{case:>36} " + " ".join(f"{cell:>22}" for cell in cells))
+    errors = [
+        result["rel_err_vs_fp32"] for row in report["cases"].values() for result in row.values()
+        if "rel_err_vs_fp32" in result
+    ]
+    if errors:
+        lines.append(f"rel error vs fp32: median {statistics.median(errors):.4f}, max {max(errors):.4f}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as missing:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from missing
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kernels = sorted({name for row in report["cases"].values() for name in row if "ms" in row[name]})
+    figure, axes = plt.subplots(1, len(HEAD_DIMS), figsize=(16, 5), sharey=True)
+    bar = 0.8 / max(1, len(kernels))
+    for axis, head_dim in zip(axes, HEAD_DIMS):
+        cases = [case for case in report["cases"] if case.startswith(f"d{head_dim} ")]
+        for index, name in enumerate(kernels):
+            values = [report["cases"][case].get(name, {}).get("tflops", float("nan")) for case in cases]
+            axis.bar([c + index * bar for c in range(len(cases))], values, bar, label=name)
+        axis.set_xticks(
+            [c + 0.4 - bar / 2 for c in range(len(cases))], [c.split(" ", 1)[1] for c in cases], rotation=20,
+            fontsize=7,
+        )
+        axis.set_title(f"head_dim {head_dim}, {HEADS} heads, bf16\n{report['device']}", fontsize=9)
+    axes[0].set_ylabel("achieved TFLOP/s (higher is faster)")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="+", help="backends to time (default: every one that runs here)")
+    parser.add_argument("--plain", nargs="*", default=[], help="kernels to time as plain launches, not captured")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    report = run(args.kernels or available(torch.device("cuda")), args.repeats, set(args.plain), args.json)
+    print(table(report))
+    if args.plot:
+        plot(report, args.plot)
+
+
+if __name__ == "__main__":
+    main()
