@@ -2,7 +2,6 @@
 padded token cu_seqlens and the real strides; checked on the graph and against eager, in any bucket."""
 
 import copy
-import dataclasses
 
 import torch
 from expecttest import assert_expected_inline
@@ -14,7 +13,7 @@ from tests.helpers import op_count, trace
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 from vgraph_compile.ops import PACKED_VARLEN_ATTENTION, VARLEN_ATTENTION
-from vgraph_compile.passes import lower_packed, pass_manager
+from vgraph_compile.passes import lower_packed, pass_manager, select_kernel
 
 
 def _lowered_lines(gm):
@@ -31,15 +30,10 @@ def test_graph_before_and_after():
     config = VGraphConfig(token_budgets=(64,), max_segments=4, attention_backend="packed_reference")
     gm, ctx = trace(model, *pack_images([5, 7], 12), config=config)
     pass_manager.analyze(gm, ctx)
-    rewritten = pass_manager.apply_pass(
-        "pad_varlen",
-        pass_manager.BUCKET_REWRITES[0][1],
-        copy.deepcopy(gm),
-        dataclasses.replace(ctx, bucket=ctx.buckets[0]),
-    )
+    rewritten = pass_manager.apply_pass("select_kernel", select_kernel.run, copy.deepcopy(gm), ctx)
     assert_expected_inline(
         _lowered_lines(rewritten),
-        """%attended : [num_users=1] = call_function[target=torch.ops.vgraph.varlen_attention.default](args = (%q, %k, %v, %l_cu_seqlens_, 64), kwargs = {backend: packed_reference})""",
+        """%attended : [num_users=1] = call_function[target=torch.ops.vgraph.varlen_attention.default](args = (%q, %k, %v, %l_cu_seqlens_, %l_max_seqlen_), kwargs = {backend: packed_reference})""",
     )
     lowered = pass_manager.apply_pass("lower_packed", lower_packed.run, rewritten, ctx)
     assert_expected_inline(
@@ -50,7 +44,7 @@ def test_graph_before_and_after():
 %mul : [num_users=1] = call_function[target=operator.mul](args = (%l_cu_seqlens_, 16), kwargs = {})
 %mul_1 : [num_users=1] = call_function[target=operator.mul](args = (%l_cu_seqlens_, 48), kwargs = {})
 %cat : [num_users=1] = call_function[target=torch.cat](args = ([%mul, %mul_1],), kwargs = {})
-%packed_varlen_attention_default : [num_users=1] = call_function[target=torch.ops.vgraph.packed_varlen_attention.default](args = (%contiguous, %contiguous_1, %v, %cat, 64, None, packed_reference), kwargs = {})""",
+%packed_varlen_attention_default : [num_users=1] = call_function[target=torch.ops.vgraph.packed_varlen_attention.default](args = (%contiguous, %contiguous_1, %v, %cat, %l_max_seqlen_, None, packed_reference), kwargs = {})""",
     )
     assert op_count(lowered, VARLEN_ATTENTION.default) == 0 and op_count(lowered, PACKED_VARLEN_ATTENTION.default) == 1
 

@@ -41,10 +41,7 @@ def _kernel_sites(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, Var
 
 def kernels_used(gm: torch.fx.GraphModule) -> set[tuple[str, torch.device]]:
     """(kernel name, device) of every site, for the build to prepare before any graph is captured."""
-    return {
-        (get_argument(node, op.backend), example_value(get_argument(node, op.q)).device)
-        for node, op in _kernel_sites(gm)
-    }
+    return {(get_argument(node, op.backend), example_value(node).device) for node, op in _kernel_sites(gm)}
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

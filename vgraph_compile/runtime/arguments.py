@@ -109,6 +109,8 @@ class CallArguments:
     """Per graph input: its value fixed at trace time (where ``readers`` is None)."""
     sizes: set[tuple]
     """Paths of the int arguments that are graph inputs (sizes), so their value may change."""
+    positional: tuple[str, ...] = ()
+    """The parameter names, when a call giving all of them positionally needs no ``Signature.bind``."""
     fingerprint: Any = None
 
     @classmethod
@@ -131,9 +133,15 @@ class CallArguments:
             readers.append(found and found[0])
             if found is not None:
                 paths.add(found[1])
-        return cls(signature, readers, list(fixed), paths)
+        plain = all(
+            parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            for parameter in signature.parameters.values()
+        )
+        return cls(signature, readers, list(fixed), paths, tuple(signature.parameters) if plain else ())
 
     def _local(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if not kwargs and len(args) == len(self.positional):
+            return dict(zip(self.positional, args))
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return bound.arguments

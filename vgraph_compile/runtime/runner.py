@@ -14,6 +14,7 @@ tensors are safe to read on the caller's stream.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -44,6 +45,20 @@ class _Miss:
 
 
 @dataclass(frozen=True)
+class _Plan:
+    """What a call's sizes decide, computed once per distinct sizes (sympy stays off the hot path)."""
+
+    sizes: dict[sympy.Symbol, int]
+    tokens: int
+    bucket: "Bucket | None"
+    narrow: tuple[tuple[tuple[int, int], ...] | int | None, ...]
+    """Per output: (dim, real size) pairs to narrow a tensor to, its value for an int output, or None."""
+
+
+_PLAN_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
 class _TensorContract:
     """What the trace assumed of a tensor input: checked per call, since the hot path skips dynamo's guards."""
 
@@ -71,6 +86,7 @@ class VGraphRuntime:
         self.config = ctx.config
         self.device = ctx.device
         self.misses: dict[str, _Miss] = {}
+        self._plans: dict[tuple[int, ...], _Plan] = {}
         self._lock = threading.Lock()
         self._done: torch.cuda.Event | None = None
         self._parameters_need_grad = any(
@@ -120,6 +136,29 @@ class VGraphRuntime:
     def tokens(self, substitution: dict[sympy.Symbol, sympy.Integer]) -> int:
         """The call's token count (rows of the first attention), the quantity budgets are counted in."""
         return int(self.spec.token_rows.xreplace(substitution))
+
+    def _plan(self, args: Sequence[Any]) -> _Plan:
+        key = tuple(int(args[index]) if dim is None else args[index].shape[dim] for _, index, dim in self.spec.bindings)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        sizes = dict(zip((symbol for symbol, _, _ in self.spec.bindings), key))
+        substitution = {symbol: sympy.Integer(value) for symbol, value in sizes.items()}
+        narrow = []
+        for shape in self.spec.outputs:
+            if isinstance(shape, tuple):
+                narrow.append(
+                    tuple((dim, int(size.xreplace(substitution))) for dim, size in enumerate(shape) if size.free_symbols)
+                )
+            elif isinstance(shape, sympy.Expr):
+                narrow.append(int(shape.xreplace(substitution)))
+            else:
+                narrow.append(None)
+        plan = _Plan(sizes, self.tokens(substitution), self._choose(sizes), tuple(narrow))
+        if len(self._plans) >= _PLAN_CACHE_SIZE:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def _check_contract(self, args: Sequence[Any]) -> None:
         for contract in self._contracts:
@@ -208,44 +247,42 @@ class VGraphRuntime:
         )
         return self._miss(reason, args, f" ({detail})")
 
-    def _narrow(self, outputs: Sequence[Any], substitution: dict[sympy.Symbol, sympy.Integer]) -> list[Any]:
+    @staticmethod
+    def _narrow(outputs: Sequence[Any], plan: _Plan) -> list[Any]:
+        """The outputs at the call's real sizes, copied out of the bucket's memory."""
         results = []
-        for output, shape in zip(outputs, self.spec.outputs):
-            if isinstance(shape, tuple) and isinstance(output, torch.Tensor):
-                for dim, size in enumerate(shape):
-                    if size.free_symbols:
-                        output = output.narrow(dim, 0, int(size.xreplace(substitution)))
+        for output, narrow in zip(outputs, plan.narrow):
+            if isinstance(narrow, tuple) and isinstance(output, torch.Tensor):
+                for dim, size in narrow:
+                    output = output.narrow(dim, 0, size)
                 output = output.clone()
-            elif isinstance(shape, sympy.Expr):
-                output = int(shape.xreplace(substitution))
+            elif isinstance(narrow, int):
+                output = narrow
             results.append(output)
         return results
 
     def __call__(self, *args: Any) -> list[Any]:
-        sizes = self.sizes(args)
-        substitution = {symbol: sympy.Integer(value) for symbol, value in sizes.items()}
-        tokens = self.tokens(substitution)
-        self._validate(args, tokens)
-        if torch.is_grad_enabled() and (
-            self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        ):
+        plan = self._plan(args)
+        self._validate(args, plan.tokens)
+        grad = torch.is_grad_enabled()
+        if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return self._miss("autograd is enabled (vgraph graphs are inference-only: use torch.no_grad())", args)
         self.warmup()
-        bucket = self._choose(sizes)
+        bucket = plan.bucket
         if bucket is None:
-            return self._no_bucket(args, sizes)
-        with self._lock, torch.no_grad():
+            return self._no_bucket(args, plan.sizes)
+        with self._lock, torch.no_grad() if grad else contextlib.nullcontext():
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
                 stream.wait_event(self._done)
             for index, buffer in bucket.buffers.items():
                 fill(self.encoder.roles[index], buffer, args[index])
-            results = self._narrow(bucket.run(self.encoder.compiled), substitution)
+            results = self._narrow(bucket.run(self.encoder.compiled), plan)
             if stream is not None:
                 self._done = self._done or torch.cuda.Event()
                 self._done.record(stream)
             bucket.stats.hits += 1
-            bucket.stats.real_tokens += tokens
+            bucket.stats.real_tokens += plan.tokens
             counters.replays += 1
             self.last_outputs = results
         return results
