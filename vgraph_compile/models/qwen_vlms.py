@@ -101,24 +101,24 @@ def pad_token_id(config) -> int:
     return TINY_IDS["pad"] if config.image_token_id == TINY_IDS["image_token_id"] else 151643
 
 
-def image_processor(config, max_patches: int = 1280):
-    """transformers' ``Qwen2VLImageProcessor`` with the tower's patch, temporal patch and merge sizes; images are
-    resized to at most ``max_patches`` patches (the processor's default is 1280 at patch 14 / 16384 at 16)."""
-    from transformers import Qwen2VLImageProcessor
+def image_processor(config, max_patches: int | None = None):
+    """transformers' ``Qwen2VLImageProcessor`` with the tower's patch, temporal patch and merge sizes (Qwen3-VL:
+    mean and std 0.5, as its processor config); ``max_patches`` caps each image's patches (default: the
+    processor's own cap, 1280 merged tokens)."""
     from transformers.utils import logging as hf_logging
 
     vision = config.vision_config
-    patch = vision.patch_size
-    qwen3 = config.model_type.startswith("qwen3")
+    patch, merge = vision.patch_size, vision.spatial_merge_size
+    options = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if config.model_type.startswith("qwen3") else {}
+    if max_patches is not None:
+        options["size"] = {"shortest_edge": (patch * merge) ** 2, "longest_edge": max_patches * patch * patch}
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "falling back to the PIL backend" when torchvision is absent
+    hf_logging.set_verbosity_error()  # without torchvision: "falling back to the PIL backend"
     try:
+        from transformers import Qwen2VLImageProcessor
+
         return Qwen2VLImageProcessor(
-            patch_size=patch,
-            temporal_patch_size=vision.temporal_patch_size,
-            merge_size=vision.spatial_merge_size,
-            size={"shortest_edge": 4 * patch * patch * 4, "longest_edge": max_patches * patch * patch},
-            **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {}),
+            patch_size=patch, temporal_patch_size=vision.temporal_patch_size, merge_size=merge, **options
         )
     finally:
         hf_logging.set_verbosity(verbosity)
