@@ -80,7 +80,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "tower": args.tower,
-        "budgets": list(tower.config.budgets),
+        "budgets": list(tower.vgraph_config.budgets),
         "warmup_s": round(warmup_s, 1),
         "errors": [],
         "cases": {},

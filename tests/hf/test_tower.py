@@ -30,10 +30,10 @@ def _inputs(tower, grid):
     return torch.randn(int(grid_thw.prod(-1).sum()), width), grid_thw
 
 
-def _assert_same(out, ref, item_order_hidden=True):
+def _assert_same(out, ref):
+    """Every field, Qwen2.5-VL's window-permuted last_hidden_state included (split calls too)."""
     torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=1e-5, atol=1e-5)
-    if out.last_hidden_state is not None or item_order_hidden:
-        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(
         getattr(out, "deepstack_features", None) or (), getattr(ref, "deepstack_features", None) or ()
     ):
@@ -50,7 +50,7 @@ def test_equal_to_eager_tower(towers, compiled, name, grid):
         with routed_attention(tower):
             ref = tower(pixel_values, grid_thw)
     assert type(out) is type(ref)
-    _assert_same(out, ref, item_order_hidden=name != "qwen2.5-vl")
+    _assert_same(out, ref)
     stock = tower(pixel_values, grid_thw)  # transformers' own sdpa path, per segment
     torch.testing.assert_close(out.pooler_output, stock.pooler_output.detach(), rtol=1e-4, atol=1e-5)
 
@@ -67,7 +67,7 @@ def test_split_and_eager_fallback_paths(towers, compiled, name):
     with torch.no_grad(), routed_attention(tower):
         ref = tower(pixel_values, grid_thw)
     assert tower_compiled.split_calls == before + 1
-    _assert_same(out, ref, item_order_hidden=name != "qwen2.5-vl")
+    _assert_same(out, ref)
 
 
 @pytest.mark.parametrize(
@@ -81,16 +81,17 @@ def test_split_and_eager_fallback_paths(towers, compiled, name):
 def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, message):
     tower = towers["qwen2-vl"]
     width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
-    with counters.expect(), pytest.raises(ValueError, match=message):
+    with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
-    with pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):
+    with torch.no_grad(), pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):
         compiled["qwen2-vl"](torch.randn(16, width, dtype=torch.float64), torch.tensor([(1, 4, 4)]))
 
 
 @pytest.mark.parametrize("name, patch_width, deepstack", [("qwen2-vl", 1176, None), ("qwen3-vl", 1536, 1)])
 def test_empty_batch(compiled, name, patch_width, deepstack):
     """No items: empty outputs of the right widths (blocks 32 wide, merger 48), deepstack levels included."""
-    out = compiled[name](torch.randn(0, patch_width), torch.zeros(0, 3, dtype=torch.int64))
+    with torch.no_grad():
+        out = compiled[name](torch.randn(0, patch_width), torch.zeros(0, 3, dtype=torch.int64))
     assert out.pooler_output.shape == (0, 48) and out.last_hidden_state.shape == (0, 32)
     assert len(getattr(out, "deepstack_features", None) or ()) == (deepstack or 0)
 
@@ -98,3 +99,35 @@ def test_empty_batch(compiled, name, patch_width, deepstack):
 def test_unknown_tower_is_refused():
     with pytest.raises(ValueError, match="is not a vision tower vgraph knows"):
         compile_vision_tower(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_stands_in_for_the_tower_inside_its_parent(towers, compiled, name):
+    """Same state_dict keys and parameter names as the plain tower at model.visual; loads its checkpoint strictly;
+    the attributes the models read come from the tower."""
+    tower, tower_compiled = towers[name], compiled[name]
+    plain, served = torch.nn.Module(), torch.nn.Module()
+    plain.visual, served.visual = tower, tower_compiled
+    assert list(served.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in served.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    served.load_state_dict(plain.state_dict(), strict=True)
+    assert all(a is b for a, b in zip(tower_compiled.parameters(), tower.parameters()))
+    assert (tower_compiled.dtype, tower_compiled.spatial_merge_size) == (torch.float32, 2)
+    assert tower_compiled.config is tower.config
+    if name == "qwen3-vl":
+        assert tower_compiled.deepstack_merger_list is tower.deepstack_merger_list
+    tower_compiled.train()
+    assert tower.training and all(m.training for m in tower.modules())
+    tower_compiled.eval()
+    assert not tower.training and not any(m.training for m in tower.modules())
+
+
+def test_grad_enabled_call_runs_the_stock_tower(towers, compiled):
+    """Fine-tuning: with grad enabled no graph runs, the tower's own attention serves it, and gradients flow."""
+    tower, tower_compiled = towers["qwen2.5-vl"], compiled["qwen2.5-vl"]
+    pixel_values, grid_thw = _inputs(tower, [(1, 8, 8), (1, 4, 12)])
+    before = tower_compiled.stock_calls
+    with counters.expect():
+        out = tower_compiled(pixel_values, grid_thw)
+    assert tower_compiled.stock_calls == before + 1 and out.pooler_output.grad_fn is not None
+    torch.testing.assert_close(out.pooler_output, tower(pixel_values, grid_thw).pooler_output)

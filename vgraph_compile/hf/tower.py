@@ -80,23 +80,63 @@ class _TowerCall(torch.nn.Module):
         return (out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ()))
 
 
-class CompiledVisionTower:
-    """Callable like the tower: ``(pixel_values, grid_thw) -> the tower's output object``."""
+class CompiledVisionTower(torch.nn.Module):
+    """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
+
+    It stands in the tower's place in a model (``model.model.visual = compile_vision_tower(model.model.visual)``):
+    it shares the tower's parameter, buffer and submodule tables, so every name (``state_dict`` keys,
+    ``named_parameters``) is the tower's own, and ``.to()``, ``eval()``, ``parameters()`` act on the tower's
+    tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
+    lists) are read from the tower. Calls with grad enabled, in training mode, or with keywords other than
+    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention.
+    """
 
     def __init__(self, tower: torch.nn.Module, config: VGraphConfig, metadata_cache_size: int = 1024) -> None:
-        self.tower = tower
+        super().__init__()
+        self.__dict__["tower"] = tower  # its tables, not the tower itself, are this module's: names stay the same
+        self._parameters = tower._parameters
+        self._buffers = tower._buffers
+        self._non_persistent_buffers_set = tower._non_persistent_buffers_set
+        self._modules = tower._modules
+        self.training = tower.training
         self.kind: TowerKind = kind_of(tower)
         self.output_class = self.kind.output_class(tower)
         """The tower's own output type (BaseModelOutputWithPooling, or Qwen3's with deepstack features)."""
-        self.config = config
+        self.vgraph_config = config
         self.geometry = config.geometry
-        self.compiled = encoder(_TowerCall(tower), config=config)
         self._metadata: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
         self._metadata_cache_size = metadata_cache_size
         patch = self.geometry.patch_size
         self.patch_width = tower.config.in_channels * self.geometry.temporal_patch_size * patch * patch
         self.out_width = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
         self.split_calls = 0
+        self.stock_calls = 0
+        self._compile()
+
+    def _compile(self) -> None:
+        """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
+        self.__dict__["compiled"] = encoder(_TowerCall(self.tower), config=self.vgraph_config)
+        self._metadata.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            tower = self.__dict__.get("tower")
+            if tower is None:
+                raise
+            return getattr(tower, name)
+
+    def train(self, mode: bool = True) -> CompiledVisionTower:
+        super().train(mode)
+        self.tower.training = mode
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.float()``, ``.cuda()``...: the tensors change, so the next call traces and captures again."""
+        result = super()._apply(fn, *args, **kwargs)
+        self._compile()
+        return result
 
     @property
     def runtimes(self):
@@ -176,16 +216,26 @@ class CompiledVisionTower:
         metadata = self._metadata_for(grid, pixel_values.device)
         return self.compiled(pixel_values, *(metadata.get(name) for name in _METADATA_KEYS))
 
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
-        if kwargs:
-            raise ValueError(f"compiled towers take (pixel_values, grid_thw) only; got extra {sorted(kwargs)}")
+    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
+        """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
+        return_dict = kwargs.pop("return_dict", True)
+        if kwargs or self.training or torch.is_grad_enabled():
+            self.stock_calls += 1
+            if kwargs:
+                log.debug("keywords %s: the stock tower serves this call", sorted(kwargs))
+            return self.tower(hidden_states, grid_thw, return_dict=return_dict, **kwargs)
+        out = self._serve(hidden_states, grid_thw)
+        return out if return_dict else out.to_tuple()
+
+    def _serve(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         grid = self._check(pixel_values, grid_thw)
         self.warmup()
         if not grid:
             empty = pixel_values.new_empty(0, self.out_width)
             hidden = pixel_values.new_empty(0, hidden_width(self.tower.config))
             return self._output(empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ())))
-        batches = pack(grid, self.config.budgets[-1], self.config.max_items, self.config.max_frames)
+        config = self.vgraph_config
+        batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
         with self._routing():
             if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
                 outputs = self._run(pixel_values, tuple(grid))
@@ -198,6 +248,8 @@ class CompiledVisionTower:
         return contextlib.nullcontext() if self.compiled.traced else routed_attention(self.tower)
 
     def _split(self, pixel_values, grid, batches: list[Batch]):
+        """Each batch's outputs, put back per item in the caller's order. Qwen2.5-VL's window permutation keeps
+        each item's rows together, in item order, so its ``last_hidden_state`` comes out as one call gives it."""
         merge = self.geometry.spatial_merge_size**2
         starts = [0]
         for t, h, w in grid:
@@ -218,8 +270,7 @@ class CompiledVisionTower:
                         deep.append([None] * len(grid))
                     deep[level][index] = feature[offset // merge : (offset + size) // merge]
                 offset += size
-        last_hidden = torch.cat(hidden) if self.kind.last_hidden_in_item_order else None
-        return self._output(torch.cat(pooled), last_hidden, [torch.cat(level) for level in deep])
+        return self._output(torch.cat(pooled), torch.cat(hidden), [torch.cat(level) for level in deep])
 
     def _output(self, pooled, last_hidden, deepstack):
         fields = {"last_hidden_state": last_hidden, "pooler_output": pooled}
@@ -240,11 +291,10 @@ def compile_vision_tower(
     ``token_budgets`` count patches (rows of pixel_values; multiples of spatial_merge_size^2); ``max_items`` and
     ``max_frames`` (temporal patches of all items; default max(max_items, 16)) bound one graph call, and larger
     calls are split. Other ``options`` are ``VGraphConfig`` fields; ``check_values`` defaults to False here, since
-    the offsets are built from the checked ``grid_thw`` (so no call reads device data back).
+    the offsets are built from the checked ``grid_thw`` (so no call reads device data back). Returns a module
+    that can replace the tower in its model; while it is in training mode the stock tower serves it.
     """
     kind = kind_of(tower)
-    if tower.training:
-        raise ValueError("compile_vision_tower serves inference: call tower.eval() first")
     config = VGraphConfig(
         token_budgets=tuple(token_budgets) if token_budgets is not None else None,
         geometry=kind.geometry(tower),

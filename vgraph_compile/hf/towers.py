@@ -70,8 +70,6 @@ class TowerKind:
     metadata: Callable[[torch.nn.Module, torch.Tensor], dict]
     windows: bool
     deepstack: bool
-    last_hidden_in_item_order: bool
-    """False for Qwen2.5-VL, whose last_hidden_state stays in window-permuted order."""
 
     def geometry(self, tower: torch.nn.Module) -> VisionGeometry:
         config = tower.config
@@ -88,9 +86,9 @@ class TowerKind:
         return getattr(module, name)
 
 
-_QWEN2 = TowerKind("qwen2-vl", _frames, windows=False, deepstack=False, last_hidden_in_item_order=True)
-_QWEN25 = TowerKind("qwen2.5-vl", _windows, windows=True, deepstack=False, last_hidden_in_item_order=False)
-_QWEN3 = TowerKind("qwen3-vl", _interpolation, windows=False, deepstack=True, last_hidden_in_item_order=True)
+_QWEN2 = TowerKind("qwen2-vl", _frames, windows=False, deepstack=False)
+_QWEN25 = TowerKind("qwen2.5-vl", _windows, windows=True, deepstack=False)
+_QWEN3 = TowerKind("qwen3-vl", _interpolation, windows=False, deepstack=True)
 
 TOWER_KINDS: dict[str, TowerKind] = {
     "Qwen2VisionTransformerPretrainedModel": _QWEN2,

@@ -1,0 +1,231 @@
+"""Time to first token of a whole Qwen VLM, stock transformers vs ``compile_vlm``, on a seeded trace of requests.
+
+Models: Qwen2.5-VL-7B or Qwen3-VL-8B at their released sizes (random weights, bf16, sdpa for the language model;
+no download). Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a
+video clip, and 20-300 text tokens, made into model inputs by transformers' image processor
+(``vgraph_compile.models.qwen_vlms``). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
+tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. The trace is
+run once to warm up, then measured.
+
+    python benchmarks/ttft.py --model qwen2.5-vl --json benchmarks/results/ttft_qwen2.5-vl_h200.json --plot ttft.png
+    python benchmarks/ttft.py --tiny          # a tiny random model on the CPU: checks the whole flow in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from vgraph_compile.hf import compile_vlm
+from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+
+SETTINGS = {
+    "real": dict(
+        sides=(224, 1024), video=dict(frames=8, size=(336, 336)), max_patches=None, decode_tokens=32,
+        options=dict(min_tokens=1024, max_tokens=16384, budget_growth=2.0, max_items=8, max_frames=16),
+    ),
+    "tiny": dict(
+        sides=(56, 160), video=dict(frames=4, size=(112, 112)), max_patches=128, decode_tokens=4,
+        options=dict(token_budgets=[64, 256], max_items=4, compiler="eager", attention_backend="sdpa"),
+    ),
+}
+
+
+def trace(seed: int, requests: int, sides: tuple[int, int], video: dict) -> list[Request]:
+    """Seeded requests: 1-4 photos (each resized to sides in ``sides``), a video clip in one request of four,
+    20-300 text tokens split around the items."""
+    rng = random.Random(seed)
+    photo = photos()
+    names = sorted(photo)
+    out = []
+    for index in range(requests):
+        items = [
+            Item("image", photo[rng.choice(names)], (rng.randrange(*sides), rng.randrange(*sides)))
+            for _ in range(rng.randint(1, 4))
+        ]
+        if rng.random() < 0.25:
+            items.insert(rng.randrange(len(items) + 1), Item("video", video_clip(photo[rng.choice(names)], **video)))
+        total = rng.randint(20, 300)
+        cuts = sorted(rng.randint(0, total) for _ in range(len(items)))
+        text = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+        out.append(Request(tuple(items), tuple(text), seed=seed * 1000 + index))
+    return out
+
+
+class VisionTimer:
+    """Time spent in ``model.visual`` per request: CUDA events recorded by forward hooks (no sync in between)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+        self.handles = [
+            module.register_forward_pre_hook(lambda *_: self.spans.append((self._now(), None))),
+            module.register_forward_hook(lambda *_: self.spans.append((self.spans.pop()[0], self._now()))),
+        ]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take_ms(self) -> float:
+        spans, self.spans = self.spans, []
+        if self.cuda:
+            return sum(start.elapsed_time(end) for start, end in spans)
+        return sum(1e3 * (end - start) for start, end in spans)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def timed_generate(model, inputs: dict, new_tokens: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, 1e3 * (time.perf_counter() - start)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(model, batches: list[dict], decode_tokens: int, device: torch.device, prepare) -> dict[str, Any]:
+    """One system: ``prepare()`` (compile or nothing), a warm-up pass over the trace, then the measured pass."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    prepare()
+    with torch.inference_mode():
+        timed_generate(model, batches[0], 1, device)
+        first_s = time.perf_counter() - start
+        for inputs in batches[1:]:
+            timed_generate(model, inputs, 1, device)
+        timer = VisionTimer(model.model.visual, device)
+        ttft, vision, decode, tokens = [], [], [], []
+        try:
+            for inputs in batches:
+                out, ms = timed_generate(model, inputs, 1, device)
+                ttft.append(ms)
+                vision.append(timer.take_ms())
+                tokens.append(out[:, -1].tolist())
+                _, full_ms = timed_generate(model, inputs, decode_tokens, device)
+                timer.take_ms()
+                decode.append((decode_tokens - 1) * len(out) / max(full_ms - ms, 1e-6) * 1e3)
+        finally:
+            timer.remove()
+        logits = model(**batches[0]).logits[:, -1].float()
+    return {
+        "ttft_p50_ms": round(statistics.median(ttft), 2),
+        "ttft_p99_ms": round(percentile(ttft, 0.99), 2),
+        "ttft_mean_ms": round(statistics.fmean(ttft), 2),
+        "vision_p50_ms": round(statistics.median(vision), 2),
+        "vision_share": round(sum(vision) / sum(ttft), 3),
+        "decode_tokens_per_s_p50": round(statistics.median(decode), 1),
+        "warmup_s": round(first_s, 2),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "ttft_ms": [round(ms, 2) for ms in ttft],
+        "first_tokens": tokens,
+        "_logits": logits,
+    }
+
+
+def run(args) -> dict[str, Any]:
+    device = torch.device(args.device)
+    setting = SETTINGS["tiny" if args.tiny else "real"]
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+    processor = image_processor(model.config, max_patches=setting["max_patches"])
+    requests = trace(args.seed, args.requests, setting["sides"], setting["video"])
+    batches = [model_inputs(model, [request], processor, device) for request in requests]
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": f"{args.model} {'tiny' if args.tiny else 'released sizes'}, random weights, {dtype}, sdpa",
+        "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+        "workload": {
+            "requests": args.requests,
+            "seed": args.seed,
+            "images": sum(1 for r in requests for i in r.items if i.kind == "image"),
+            "videos": sum(1 for r in requests for i in r.items if i.kind == "video"),
+            "prompt_tokens_p50": statistics.median(b["input_ids"].shape[1] for b in batches),
+            "patches_p50": statistics.median(
+                sum(int(b[g].prod(-1).sum()) for g in ("image_grid_thw", "video_grid_thw") if g in b) for b in batches
+            ),
+            "decode_tokens": setting["decode_tokens"],
+        },
+        "vgraph_options": setting["options"],
+        "systems": {},
+    }
+    systems = {"hf": lambda: None, "vgraph": lambda: compile_vlm(model, **setting["options"])}
+    for name, prepare in systems.items():
+        report["systems"][name] = measure(model, batches, setting["decode_tokens"], device, prepare)
+    hf, vgraph = report["systems"]["hf"], report["systems"]["vgraph"]
+    scale = hf["_logits"].abs().max().item()
+    report["last_logits_max_rel_diff"] = (vgraph.pop("_logits") - hf.pop("_logits")).abs().max().item() / scale
+    report["same_first_tokens"] = hf["first_tokens"] == vgraph["first_tokens"]
+    report["ttft_p50_ratio"] = round(vgraph["ttft_p50_ms"] / hf["ttft_p50_ms"], 3)
+    report["vgraph_buckets"] = model.model.visual.stats_table()
+    return report
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as missing:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from missing
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for name, system in report["systems"].items():
+        times = sorted(system["ttft_ms"])
+        axis.plot(times, [(i + 1) / len(times) for i in range(len(times))], label=f"{name} (p50 {system['ttft_p50_ms']} ms)")
+    axis.set_xlabel("time to first token, ms")
+    axis.set_ylabel("fraction of requests")
+    axis.set_title(f"{report['model']} on {report['device']}")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-vl", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="tiny random model, fp32 (CPU smoke run)")
+    parser.add_argument("--device", default=None, help="default: cuda when present (cpu with --tiny)")
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    report = run(args)
+    summary = {name: {k: v for k, v in s.items() if k not in ("ttft_ms", "first_tokens")} for name, s in
+               report["systems"].items()}
+    print(json.dumps({**{k: v for k, v in report.items() if k not in ("systems", "vgraph_buckets")}, **summary},
+                     indent=1))
+    print(report["vgraph_buckets"])
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=1)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

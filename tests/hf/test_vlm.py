@@ -1,0 +1,98 @@
+"""compile_vlm on tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models: the same logits (fp32, rel <= 1e-5) and
+greedy tokens as the stock model, on inputs made by transformers' image processor from real photographs
+(scikit-image's samples) and a video clip panning over one; images, a video, both in one prompt, two prompts in
+one batch. The stock numbers are taken from the same model before compile_vlm replaces its tower."""
+
+import pytest
+import torch
+
+from vgraph_compile.counters import counters
+from vgraph_compile.hf import CompiledVisionTower, compile_vlm
+from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+
+pytest.importorskip("skimage", reason="the sample photographs come with scikit-image")
+
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+
+
+def _requests():
+    photo = photos()
+    clip = video_clip(photo["astronaut"], frames=4, size=(112, 112), step=16)
+    return {
+        # prompt 1: text, an image, text, a video, text; prompt 2: two images at other resolutions
+        "batch of 2, mixed": [
+            Request((Item("image", photo["coffee"]), Item("video", clip)), (7, 3, 2), seed=1),
+            Request((Item("image", photo["chelsea"], (150, 220)), Item("image", photo["rocket"])), (4, 2, 9), seed=2),
+        ],
+        "video": [Request((Item("video", clip),), (5, 4), seed=3)],
+    }
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request):
+    """(family, model after compile_vlm, {case: (inputs, stock logits, stock greedy tokens)})."""
+    model = qwen_vlm(request.param)
+    processor = image_processor(model.config, max_patches=128)
+    cases = {}
+    with torch.no_grad():
+        for case, requests in _requests().items():
+            inputs = model_inputs(model, requests, processor)
+            cases[case] = (inputs, model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False))
+    keys = list(model.state_dict())
+    compile_vlm(model, token_budgets=[64, 256], max_items=4, compiler="eager", attention_backend="sdpa")
+    assert list(model.state_dict()) == keys
+    return request.param, model, cases
+
+
+@pytest.mark.parametrize("case", ["batch of 2, mixed", "video"])
+def test_same_logits_and_greedy_tokens_as_stock(served, case):
+    family, model, cases = served
+    inputs, logits, tokens = cases[case]
+    tower = model.model.visual
+    assert isinstance(tower, CompiledVisionTower)
+    before = counters.snapshot()["replays"]
+    with torch.no_grad():
+        mine = model(**inputs).logits
+        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert counters.snapshot()["replays"] > before and tower.stock_calls == 0
+    torch.testing.assert_close(mine, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
+    assert torch.equal(generated, tokens)
+
+
+def test_features_keep_the_towers_output_class(served):
+    """get_image_features / get_video_features: the tower's own output class, per-item features equal to the stock
+    tower's (Qwen3-VL: deepstack features too)."""
+    family, model, cases = served
+    inputs = cases["batch of 2, mixed"][0]
+    tower = model.model.visual.tower
+    with torch.no_grad():
+        for method, pixels, grid in (
+            ("get_image_features", "pixel_values", "image_grid_thw"),
+            ("get_video_features", "pixel_values_videos", "video_grid_thw"),
+        ):
+            out = getattr(model, method)(inputs[pixels], inputs[grid])
+            stock = tower(inputs[pixels], grid_thw=inputs[grid])
+            assert type(out) is type(stock)
+            sizes = (inputs[grid].prod(-1) // 4).tolist()
+            assert [f.shape[0] for f in out.pooler_output] == sizes
+            torch.testing.assert_close(torch.cat(out.pooler_output), stock.pooler_output, rtol=1e-5, atol=1e-6)
+            deepstack = getattr(out, "deepstack_features", None) or ()  # per level, split per item like pooler_output
+            assert len(deepstack) == len(stock.get("deepstack_features", ()))
+            for mine, theirs in zip(deepstack, stock.get("deepstack_features", ())):
+                torch.testing.assert_close(torch.cat(mine), theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_enabled_forward_runs_the_stock_tower(served):
+    family, model, cases = served
+    inputs = cases["video"][0]
+    tower = model.model.visual
+    before = tower.stock_calls
+    with counters.expect():
+        logits = model(**inputs).logits
+    assert tower.stock_calls == before + 1 and logits.grad_fn is not None
+    torch.testing.assert_close(logits.detach(), cases["video"][1], rtol=1e-5, atol=1e-5 * logits.abs().max().item())
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="compile_vlm got a Linear; it knows Qwen2VLForConditionalGeneration"):
+        compile_vlm(torch.nn.Linear(2, 2))
