@@ -9,7 +9,8 @@ attention, so nothing is built on the host and nothing goes stale across CUDA gr
   overlap otherwise, and skipped when they do not overlap: O((rows/128)^2) work from the first and last segment id
   of each tile, never the dense ``rows x rows`` mask ``create_block_mask`` would evaluate;
 - ``BlockMask.from_kv_blocks`` (public in torch >= 2.5) takes the tiles, ordered with a stable device sort, and the
-  ``mask_mod`` compares segment ids inside partial tiles.
+  ``mask_mod`` compares segment ids inside partial tiles. Its query-side tiles (``compute_q_blocks``) serve only
+  the backward pass and are skipped: their ``vmap`` fails when the op runs under AOT autograd's runtime modes.
 
 On CUDA that function runs through ``torch.compile`` (one fused Triton kernel; the first call of a shape compiles,
 so it belongs to the warm-up run before capture; later calls with other offsets reuse it). On the CPU it runs
@@ -52,7 +53,12 @@ def document_mask(ids: torch.Tensor) -> BlockMask:
         return ids[q_index] == ids[kv_index]
 
     return BlockMask.from_kv_blocks(
-        *_ordered(overlap & ~full), *_ordered(full), BLOCK_SIZE=TILE, mask_mod=same_segment, seq_lengths=(rows, rows)
+        *_ordered(overlap & ~full),
+        *_ordered(full),
+        BLOCK_SIZE=TILE,
+        mask_mod=same_segment,
+        seq_lengths=(rows, rows),
+        compute_q_blocks=False,
     )
 
 
@@ -72,8 +78,26 @@ def _compiled():
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None
 ) -> torch.Tensor:
-    if q.device.type == "cpu":
+    with _functorch_enabled():
+        if q.device.type != "cpu":
+            return _compiled()(q, k, v, cu_seqlens, scale)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
             return _attend(q, k, v, cu_seqlens, scale)
-    return _compiled()(q, k, v, cu_seqlens, scale)
+
+
+_FUNCTORCH_KEYS = [
+    getattr(torch._C.DispatchKey, key)
+    for key in ("FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
+                "FuncTorchVmapMode", "FuncTorchGradWrapper", "PythonTLSSnapshot")
+]
+
+
+def _functorch_enabled():
+    """A compiled graph calls custom ops with functorch's dispatch keys excluded (they run below autograd); eager
+    flex evaluates ``mask_mod`` under ``vmap``, which needs them, and so may flex's first compile. Re-admit them for
+    the kernel only."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _FUNCTORCH_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
