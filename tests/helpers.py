@@ -51,3 +51,30 @@ def segment_reference(q, k, v, cu_seqlens, scale=None) -> torch.Tensor:
             qs, ks, vs = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
             out[start:end] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
     return out
+
+
+def run_backend(name: str, q, k, v, cu_seqlens, max_seqlen: int, scale=None) -> torch.Tensor:
+    """``name``'s attention through its op: token ``cu_seqlens`` as they are, or, for a packed backend, the
+    ``[Q/K/O | V]`` element offsets of contiguous q/k/v."""
+    from vgraph_compile import backends
+    from vgraph_compile.ops import packed_varlen_attention, varlen_attention
+
+    if not backends.BACKENDS[name].packed:
+        return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, backend=name)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    row = q.shape[1] * q.shape[2]
+    offsets = torch.cat([cu_seqlens * row, cu_seqlens * row])
+    return packed_varlen_attention(q, k, v, offsets, max_seqlen, scale=scale, backend=name)
+
+
+def isolation_case(lengths, padding, poisoned, tensor, row, value, heads=2, head_dim=8, dtype=torch.float32,
+                   device="cpu", seed=0):
+    """Random packed q/k/v, ``cu_seqlens``, and a copy of q/k/v with ``value`` planted at row ``row`` of segment
+    ``poisoned`` in q, k or v (``tensor`` 0, 1, 2)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = sum(lengths) + padding
+    clean = [torch.randn(rows, heads, head_dim, generator=generator).to(device, dtype) for _ in range(3)]
+    cu = torch.nn.functional.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    dirty = [t.clone() for t in clean]
+    dirty[tensor][int(cu[poisoned]) + row, row % heads, row % head_dim] = value
+    return clean, dirty, cu.to(device)

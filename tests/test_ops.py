@@ -112,3 +112,29 @@ def test_cudnn_backend_is_registered_and_validates_head_dim():
     q = torch.zeros(4, 2, 70)
     with pytest.raises(ValueError, match="head_dim=70"):
         cudnn.attention(q, q, q, torch.tensor([0, 4], dtype=torch.int32), 4, None)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_head_dim_padding_is_exact(monkeypatch, dtype, tolerance, scale):
+    """A kernel declaring head_dims (16, 32) runs head_dim 12 zero-padded to 16 and 24 to 32: the sliced output
+    equals the unpadded kernel's, with the original head_dim's softmax scale."""
+    padding_sdpa = backends.AttentionBackend("sdpa_at_16_32", "sdpa", lambda d, t: True, head_dims=(16, 32))
+    monkeypatch.setitem(backends.BACKENDS, padding_sdpa.name, padding_sdpa)
+    for head_dim in (12, 16, 24):
+        q, k, v = torch.randn(30, 3, 2, head_dim, dtype=dtype).unbind(1)
+        cu = torch.tensor([0, 7, 7, 26], dtype=torch.int32)
+        padded = varlen_attention(q, k, v, cu, 19, scale=scale, backend="sdpa_at_16_32")
+        assert padded.shape == q.shape and padded.is_contiguous()
+        unpadded = varlen_attention(q, k, v, cu, 19, scale=scale, backend="sdpa")
+        torch.testing.assert_close(padded, unpadded, rtol=tolerance, atol=tolerance)
+        assert padded[26:].eq(0).all()
+
+
+def test_head_dims_refuse_wider_heads_and_packed_kernels():
+    backend = backends.AttentionBackend("narrow", "sdpa", lambda d, t: True, head_dims=(64, 80, 128))
+    assert [backend.padded_head_dim(d) for d in (40, 72, 80, 96)] == [64, 80, 80, 128]
+    with pytest.raises(ValueError, match="'narrow' runs head_dim up to 128, got 256: choose another"):
+        backend.padded_head_dim(256)
+    with pytest.raises(ValueError, match="packed kernel cannot declare head_dims"):
+        backends.AttentionBackend("p", "packed_reference", lambda d, t: True, packed=True, head_dims=(64,))

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from vgraph_compile import backends
 
@@ -38,9 +39,21 @@ def _varlen_attention(
             f"backend {backend!r} reads packed [Q/K/O | V] offsets: call packed_varlen_attention, or compile with "
             "vgraph, whose lower_packed pass builds them"
         )
-    out = resolved.load()(q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
+    out = _at_supported_head_dim(resolved, q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
     rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
     return out.masked_fill_((rows >= cu_seqlens[-1])[:, None, None], 0)
+
+
+def _at_supported_head_dim(backend, q, k, v, cu_seqlens, max_seqlen, scale):
+    """The kernel's output at q's head_dim: q/k/v zero-padded to a head_dim the kernel runs, if it needs one, and
+    the output sliced back. Exact: zero columns add nothing to q.k, the padded output columns are dropped, and the
+    scale is the original head_dim's."""
+    kernel, head_dim = backend.load(), q.shape[-1]
+    width = backend.padded_head_dim(head_dim)
+    if width == head_dim:
+        return kernel(q, k, v, cu_seqlens, max_seqlen, scale)
+    q, k, v = (F.pad(t, (0, width - head_dim)) for t in (q, k, v))
+    return kernel(q, k, v, cu_seqlens, max_seqlen, head_dim**-0.5 if scale is None else scale)[..., :head_dim]
 
 
 @_varlen_attention.register_fake

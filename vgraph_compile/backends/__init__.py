@@ -3,7 +3,10 @@
 Every backend computes the same function on packed ``[tokens, heads, head_dim]`` tensors: rows of segment ``i``
 (``cu_seqlens[i] <= row < cu_seqlens[i + 1]``) attend to the rows of the same segment only. Rows at or past
 ``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
-never leaks. Backends must not synchronise with the host: they run inside captured CUDA graphs.
+never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels that
+multiply across segments under a mask (``sdpa``, ``flex``) pass k/v through ``segments.confine_nonfinite``; the
+varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``) read each segment's own rows only. Backends must
+not synchronise with the host: they run inside captured CUDA graphs.
 
 Optional kernels are imported lazily, so a missing package is reported when that backend is chosen, not at import.
 """
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 if TYPE_CHECKING:
     import torch
 
-AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "cudnn", "flashinfer", "packed_reference"]
+AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "cudnn", "flashinfer", "packed_reference", "flex"]
 """Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
 
 
@@ -35,6 +38,28 @@ class AttentionBackend:
     cu_seqlens; the ``lower_packed`` pass rewrites sites for it."""
     package: tuple[str, str] | None = None
     """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
+    head_dims: tuple[int, ...] | None = None
+    """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
+    output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
+
+    def __post_init__(self) -> None:
+        if self.packed and self.head_dims is not None:
+            raise ValueError(
+                f"backend {self.name!r}: packed element offsets count head_dim, so a packed kernel cannot declare "
+                "head_dims to pad to"
+            )
+
+    def padded_head_dim(self, head_dim: int) -> int:
+        """The head dim the kernel runs ``head_dim`` at: itself, or the smallest supported one above it."""
+        if self.head_dims is None or head_dim in self.head_dims:
+            return head_dim
+        wider = [supported for supported in self.head_dims if supported > head_dim]
+        if not wider:
+            raise ValueError(
+                f"attention backend {self.name!r} runs head_dim up to {self.head_dims[-1]}, got {head_dim}: "
+                "choose another attention_backend"
+            )
+        return wider[0]
 
     def load(self) -> Callable[..., "torch.Tensor"]:
         return importlib.import_module(f"{__name__}.{self.module}").attention
@@ -81,6 +106,7 @@ BACKENDS: dict[str, AttentionBackend] = {
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
     "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
+    "flex": AttentionBackend("flex", "flex", lambda device, dtype: dtype.is_floating_point),
 }
 
 
