@@ -1,6 +1,7 @@
 import pytest
 
 from vgraph_compile.config import VGraphConfig, generate_budgets
+from vgraph_compile.geometry import VisionGeometry
 
 
 def test_generate_budgets_doubles_then_appends_max():
@@ -9,9 +10,14 @@ def test_generate_budgets_doubles_then_appends_max():
 
 
 def test_defaults():
+    """Fine buckets: 64 merged tokens up to 16384, growing by at most 1.25 (20 or more graphs)."""
     config = VGraphConfig()
-    assert config.budgets == (1024, 2048, 4096, 8192, 16384)
+    assert config.budgets[0] == 64 and config.budgets[-1] == 16384 and len(config.budgets) >= 20
+    assert max(b / a for a, b in zip(config.budgets, config.budgets[1:])) <= 1.25 + 1 / 64
     assert config.segments == 64
+    merged = VGraphConfig(geometry=VisionGeometry(patch_size=14), max_items=8)
+    assert merged.budgets[0] == 64 * 4 and len(merged.budgets) >= 20
+    assert all(budget % 4 == 0 for budget in merged.budgets)
     assert VGraphConfig(token_budgets=[16, 32]).segments == 16
 
 

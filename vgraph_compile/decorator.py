@@ -71,6 +71,8 @@ class CompiledEncoderFunction:
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
         self._hot: _HotPath | None = None
+        self._trainable: bool | None = None
+        """Whether the module has parameters that require grad (read on the first call with grad enabled)."""
         self._trace_lock = threading.Lock()
         functools.update_wrapper(self, self._forward)
 
@@ -82,7 +84,10 @@ class CompiledEncoderFunction:
     def _needs_autograd(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if self._hot is not None and self._hot.runtime._parameters_need_grad:
+        if self._trainable is None:
+            module = self.target if isinstance(self.target, torch.nn.Module) else None
+            self._trainable = module is not None and any(p.requires_grad for p in module.parameters())
+        if self._trainable:
             return True
         values = [*args, *kwargs.values()]
         return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
