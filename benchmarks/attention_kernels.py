@@ -117,7 +117,11 @@ def measure_dense(lengths, head_dim, repeats) -> dict | None:
     q, k, v = (torch.randn(len(lengths), HEADS, lengths[0], head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), repeats=repeats)
-    return {"ms": round(ms, 4), "mode": "plain_launch", "tflops": round(attention_flops(lengths, head_dim) / ms / 1e9, 1)}
+    return {
+        "ms": round(ms, 4),
+        "mode": "plain_launch",
+        "tflops": round(attention_flops(lengths, head_dim) / ms / 1e9, 1),
+    }
 
 
 def available(device: torch.device) -> list[str]:
@@ -185,7 +189,9 @@ def table(report: dict) -> str:
                 cells.append(f"{result['ms']:.3f} ms {result['tflops']:.0f} TF")
         lines.append(f"{case:>36} " + " ".join(f"{cell:>22}" for cell in cells))
     errors = [
-        result["rel_err_vs_fp32"] for row in report["cases"].values() for result in row.values()
+        result["rel_err_vs_fp32"]
+        for row in report["cases"].values()
+        for result in row.values()
         if "rel_err_vs_fp32" in result
     ]
     if errors:
@@ -210,7 +216,9 @@ def plot(report: dict, path: str) -> None:
             values = [report["cases"][case].get(name, {}).get("tflops", float("nan")) for case in cases]
             axis.bar([c + index * bar for c in range(len(cases))], values, bar, label=name)
         axis.set_xticks(
-            [c + 0.4 - bar / 2 for c in range(len(cases))], [c.split(" ", 1)[1] for c in cases], rotation=20,
+            [c + 0.4 - bar / 2 for c in range(len(cases))],
+            [c.split(" ", 1)[1] for c in cases],
+            rotation=20,
             fontsize=7,
         )
         axis.set_title(f"head_dim {head_dim}, {HEADS} heads, bf16\n{report['device']}", fontsize=9)

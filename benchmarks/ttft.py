@@ -27,11 +27,17 @@ from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, mode
 
 SETTINGS = {
     "real": dict(
-        sides=(224, 1024), video=dict(frames=8, size=(336, 336)), max_patches=None, decode_tokens=32,
+        sides=(224, 1024),
+        video=dict(frames=8, size=(336, 336)),
+        max_patches=None,
+        decode_tokens=32,
         options=dict(min_tokens=1024, max_tokens=16384, budget_growth=2.0, max_items=8, max_frames=16),
     ),
     "tiny": dict(
-        sides=(56, 160), video=dict(frames=4, size=(112, 112)), max_patches=128, decode_tokens=4,
+        sides=(56, 160),
+        video=dict(frames=4, size=(112, 112)),
+        max_patches=128,
+        decode_tokens=4,
         options=dict(token_budgets=[64, 256], max_items=4, compiler="eager", attention_backend="sdpa"),
     ),
 }
@@ -193,7 +199,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     figure, axis = plt.subplots(figsize=(8, 5))
     for name, system in report["systems"].items():
         times = sorted(system["ttft_ms"])
-        axis.plot(times, [(i + 1) / len(times) for i in range(len(times))], label=f"{name} (p50 {system['ttft_p50_ms']} ms)")
+        axis.plot(
+            times, [(i + 1) / len(times) for i in range(len(times))], label=f"{name} (p50 {system['ttft_p50_ms']} ms)"
+        )
     axis.set_xlabel("time to first token, ms")
     axis.set_ylabel("fraction of requests")
     axis.set_title(f"{report['model']} on {report['device']}")
@@ -214,10 +222,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     report = run(args)
-    summary = {name: {k: v for k, v in s.items() if k not in ("ttft_ms", "first_tokens")} for name, s in
-               report["systems"].items()}
-    print(json.dumps({**{k: v for k, v in report.items() if k not in ("systems", "vgraph_buckets")}, **summary},
-                     indent=1))
+    summary = {
+        name: {k: v for k, v in s.items() if k not in ("ttft_ms", "first_tokens")}
+        for name, s in report["systems"].items()
+    }
+    print(
+        json.dumps({**{k: v for k, v in report.items() if k not in ("systems", "vgraph_buckets")}, **summary}, indent=1)
+    )
     print(report["vgraph_buckets"])
     if args.json:
         with open(args.json, "w") as file:

@@ -67,8 +67,9 @@ def run_backend(name: str, q, k, v, cu_seqlens, max_seqlen: int, scale=None) -> 
     return packed_varlen_attention(q, k, v, offsets, max_seqlen, scale=scale, backend=name)
 
 
-def isolation_case(lengths, padding, poisoned, tensor, row, value, heads=2, head_dim=8, dtype=torch.float32,
-                   device="cpu", seed=0):
+def isolation_case(
+    lengths, padding, poisoned, tensor, row, value, heads=2, head_dim=8, dtype=torch.float32, device="cpu", seed=0
+):
     """Random packed q/k/v, ``cu_seqlens``, and a copy of q/k/v with ``value`` planted at row ``row`` of segment
     ``poisoned`` in q, k or v (``tensor`` 0, 1, 2)."""
     generator = torch.Generator().manual_seed(seed)

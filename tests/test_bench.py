@@ -175,7 +175,10 @@ def test_cpu_run_measures_every_system_and_stores_targets(tmp_path):
     main([*TOY_ARGS, "--systems", *systems, "--vgraph-option", *options, "--targets", "--json", str(path)])
     report = json.loads(path.read_text())
     status = {name: row["status"] for name, row in report["systems"].items()}
-    assert status == {**dict.fromkeys(systems, "ok"), "torch_compile_reduce_overhead": status["torch_compile_reduce_overhead"]}
+    assert status == {
+        **dict.fromkeys(systems, "ok"),
+        "torch_compile_reduce_overhead": status["torch_compile_reduce_overhead"],
+    }
     assert status["torch_compile_reduce_overhead"].startswith("needs CUDA")
     for name in ("hf_eager_sdpa", "torch_compile_routed", "exact_shape_oracle", "vgraph"):
         assert report["systems"][name]["host_ms_per_call_p50"] > 0 and report["cases"]["1x224^2"][name] > 0
@@ -188,7 +191,9 @@ def test_cpu_run_measures_every_system_and_stores_targets(tmp_path):
 
 def test_second_start_runs_the_warmup_again_in_a_fresh_process_with_the_same_cache(tmp_path):
     cache = tmp_path / "inductor"
-    report = main([*TOY_ARGS, "--systems", "hf_eager_sdpa", "--warmup-only", "--second-start", "--cache-dir", str(cache)])
+    report = main(
+        [*TOY_ARGS, "--systems", "hf_eager_sdpa", "--warmup-only", "--second-start", "--cache-dir", str(cache)]
+    )
     assert report["inductor_cache_dir"] == str(cache)
     assert report["systems"]["hf_eager_sdpa"]["second_start_warmup_s"] >= 0
     assert "second_start_status" not in report["systems"]["hf_eager_sdpa"]

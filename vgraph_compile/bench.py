@@ -529,7 +529,7 @@ def _measure_oracle(workload: Workload, result: Result, deadline: float, args) -
                     lambda: exact(x, grid_thw), args.host_calls, workload.device
                 )
             after_warmup.stop(result)
-        del exact
+        exact = None  # free its graph and buffers before the next case compiles
         _check_deadline(deadline, f"case {case}")
     result.warmup_s = statistics.mean(warmups)
     result.extra["warmup_is"] = "mean per case (one exact-shape compile and capture each)"
@@ -591,7 +591,9 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def _worst_case_vs_oracle(report: dict[str, Any], baseline: float | None) -> float | None:
-    ratios = [_ratio(_case(report, case, "vgraph"), _case(report, case, "exact_shape_oracle")) for case in report["cases"]]
+    ratios = [
+        _ratio(_case(report, case, "vgraph"), _case(report, case, "exact_shape_oracle")) for case in report["cases"]
+    ]
     return max((ratio for ratio in ratios if ratio is not None), default=None)
 
 

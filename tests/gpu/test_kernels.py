@@ -1,7 +1,5 @@
-"""On a CUDA GPU, every installed attention kernel: FlexAttention captured in a CUDA graph (NaN-poisoned pool)
-replaying new offsets with no recompile, equality against a float64 reference at the towers' head dims, and
-isolation of NaN/Inf per segment. Run with ``pytest -m gpu``. Few shapes per kernel: each dtype and head_dim is
-one flex compile, under dynamo's recompile limit of 8."""
+"""On a CUDA GPU, every attention kernel that runs there: equality against a float64 reference at the towers' head
+dims, and isolation of NaN/Inf per segment. Run with ``pytest -m gpu``."""
 
 import pytest
 import torch
@@ -10,7 +8,6 @@ from hypothesis import given
 from tests.backends.test_segments import check_isolation, poisoned_calls
 from tests.helpers import run_backend, segment_reference
 from vgraph_compile import backends
-from vgraph_compile.ops import varlen_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -24,52 +21,6 @@ def _require(name, dtype):
         backends.resolve(name, CUDA, dtype)
     except ValueError as unavailable:
         pytest.skip(str(unavailable))
-
-
-def test_flex_in_a_cuda_graph_replays_new_offsets_without_recompiling():
-    """``torch.compile(fullgraph=True)`` around the op, warmed up, then captured in a ``torch.cuda.CUDAGraph``
-    whose pool was filled with NaN by an earlier graph: each replay on new offsets (empty segments, a padding tail)
-    matches the reference, keeps padding rows zero, and compiles nothing."""
-    rows, heads, head_dim = 2048, 8, 80
-    static = [torch.zeros(rows, heads, head_dim, device=CUDA, dtype=torch.bfloat16) for _ in range(3)]
-    cu = torch.zeros(9, device=CUDA, dtype=torch.int32)
-
-    @torch.compile(fullgraph=True)
-    def attend(q, k, v, cu_seqlens):
-        return varlen_attention(q, k, v, cu_seqlens, rows, backend="flex") * 1
-
-    def load(lengths, seed):
-        generator = torch.Generator().manual_seed(seed)
-        for t in static:
-            t.copy_(torch.randn(rows, heads, head_dim, generator=generator))
-        offsets = torch.tensor(lengths + [0] * (8 - len(lengths))).cumsum(0)
-        cu.copy_(torch.nn.functional.pad(offsets, (1, 0)))
-        return int(offsets[-1])
-
-    load([100, 900], 0)
-    for _ in range(3):
-        attend(*static, cu)
-    torch.cuda.synchronize()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-    poison = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(poison):
-        junk = torch.full((64 * rows * heads * head_dim,), float("nan"), device=CUDA, dtype=torch.bfloat16)
-    poison.replay()
-    del junk
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=poison.pool()):
-        out = attend(*static, cu)
-
-    for seed, lengths in enumerate([[5, 0, 2000], [1] * 8, [0, 0, 0, 2048], [129, 0, 127, 1, 700], []]):
-        end = load(lengths, seed)
-        graph.replay()
-        torch.cuda.synchronize()
-        reference = segment_reference(*(t[:end].cpu() for t in static), cu.cpu())
-        torch.testing.assert_close(out[:end].double().cpu(), reference, **BF16_TOLERANCE)
-        assert out[end:].eq(0).all(), f"padding rows of {lengths} not zero"
-    attend(*static, cu)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "new offsets recompiled"
 
 
 @pytest.mark.parametrize("name", list(backends.BACKENDS))

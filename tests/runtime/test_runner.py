@@ -105,7 +105,10 @@ def test_autograd_calls_run_the_encoder_as_written(model):
 def inductor_compiled(model):
     """One trace and ONE inductor compile serve 4 buckets (16 .. 128 tokens); warmed up under no_grad."""
     compiled = vgraph_compile.encoder(model, token_budgets=(16, 32, 64, 128), max_segments=8)
-    with torch.no_grad(), counters.expect(traces=1, sites_found=2, buckets_built=4, compiles=1, nodes_rewritten=4, replays=1):
+    with (
+        torch.no_grad(),
+        counters.expect(traces=1, sites_found=2, buckets_built=4, compiles=1, nodes_rewritten=4, replays=1),
+    ):
         compiled(*pack_images([3, 5], 12))
     return compiled
 

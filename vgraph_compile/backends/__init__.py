@@ -87,6 +87,11 @@ def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
+def _flex_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
+    """CPU only: on CUDA (torch 2.11) its compiled kernel disagreed with the float64 reference (BENCHMARKS.md)."""
+    return device.type == "cpu" and dtype.is_floating_point
+
+
 def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
     """cuDNN's fused attention: a cuDNN build of torch and an sm80+ GPU."""
     import torch
@@ -106,7 +111,7 @@ BACKENDS: dict[str, AttentionBackend] = {
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
     "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
-    "flex": AttentionBackend("flex", "flex", lambda device, dtype: dtype.is_floating_point),
+    "flex": AttentionBackend("flex", "flex", _flex_attention),
 }
 
 

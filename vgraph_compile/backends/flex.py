@@ -88,8 +88,14 @@ def attention(
 
 _FUNCTORCH_KEYS = [
     getattr(torch._C.DispatchKey, key)
-    for key in ("FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
-                "FuncTorchVmapMode", "FuncTorchGradWrapper", "PythonTLSSnapshot")
+    for key in (
+        "FuncTorchDynamicLayerFrontMode",
+        "FuncTorchDynamicLayerBackMode",
+        "FuncTorchBatched",
+        "FuncTorchVmapMode",
+        "FuncTorchGradWrapper",
+        "PythonTLSSnapshot",
+    )
 ]
 
 

@@ -66,7 +66,9 @@ class CompiledEncoder:
 
 def _cudagraphs(ctx: PassContext) -> bool:
     config = ctx.config
-    wanted = ctx.device.type == "cuda" and config.compiler == "inductor" if config.cudagraphs is None else config.cudagraphs
+    wanted = (
+        ctx.device.type == "cuda" and config.compiler == "inductor" if config.cudagraphs is None else config.cudagraphs
+    )
     if wanted and (ctx.device.type != "cuda" or config.compiler != "inductor"):
         raise ValueError(
             f"cudagraphs=True needs a CUDA encoder compiled with inductor (device {ctx.device}, compiler "

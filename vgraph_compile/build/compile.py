@@ -61,7 +61,9 @@ def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
     return None
 
 
-def compile_once(gm: torch.fx.GraphModule, ctx: PassContext, config: VGraphConfig) -> tuple[CompiledFn, list[BucketShape]]:
+def compile_once(
+    gm: torch.fx.GraphModule, ctx: PassContext, config: VGraphConfig
+) -> tuple[CompiledFn, list[BucketShape]]:
     """The compiled graph, and the buckets it may serve (every guard inductor added holds at their sizes)."""
     if config.compiler == "eager":
         return (lambda inputs: gm(*inputs)), list(ctx.buckets)

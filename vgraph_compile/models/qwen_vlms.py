@@ -33,10 +33,18 @@ _TINY_TEXT = dict(
 )
 _TINY_VISION = {
     "qwen2-vl": dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2),
-    "qwen2.5-vl": dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
-                       fullatt_block_indexes=[1]),
-    "qwen3-vl": dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
-                     deepstack_visual_indexes=[0], num_position_embeddings=64),
+    "qwen2.5-vl": dict(
+        depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, fullatt_block_indexes=[1]
+    ),
+    "qwen3-vl": dict(
+        depth=2,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=64,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=64,
+    ),
 }
 
 
@@ -53,23 +61,53 @@ class Family:
 
 VLM_FAMILIES = {
     "qwen2-vl": Family(
-        "transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLConfig",
-        dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-             num_key_value_heads=4, vocab_size=152064, rope_theta=1e6),
-        [16, 24, 24], [2, 3, 3],
+        "transformers.models.qwen2_vl.modeling_qwen2_vl",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2VLConfig",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            rope_theta=1e6,
+        ),
+        [16, 24, 24],
+        [2, 3, 3],
     ),
     "qwen2.5-vl": Family(
-        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+        "Qwen2_5_VLForConditionalGeneration",
         "Qwen2_5_VLConfig",
-        dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-             num_key_value_heads=4, vocab_size=152064, rope_theta=1e6),
-        [16, 24, 24], [2, 3, 3],
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            rope_theta=1e6,
+        ),
+        [16, 24, 24],
+        [2, 3, 3],
     ),
     "qwen3-vl": Family(
-        "transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig",
-        dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=5e6),
-        [24, 20, 20], [2, 3, 3],
+        "transformers.models.qwen3_vl.modeling_qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLConfig",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            rope_theta=5e6,
+        ),
+        [24, 20, 20],
+        [2, 3, 3],
     ),
 }
 """Qwen2-VL-7B, Qwen2.5-VL-7B and Qwen3-VL-8B: the language model sizes (the towers are ``REAL_SIZES``)."""
@@ -82,8 +120,11 @@ def qwen_vlm(family: str, tiny: bool = True, device="cpu", dtype=torch.float32, 
     module = importlib.import_module(spec.module)
     vision = {**REAL_SIZES[family][3], **(_TINY_VISION[family] if tiny else {})}
     text = dict(_TINY_TEXT, vocab_size=512) if tiny else dict(spec.text)
-    rope = dict(rope_type="default", rope_theta=text.pop("rope_theta", 1e4),
-                mrope_section=spec.tiny_mrope_section if tiny else spec.mrope_section)
+    rope = dict(
+        rope_type="default",
+        rope_theta=text.pop("rope_theta", 1e4),
+        mrope_section=spec.tiny_mrope_section if tiny else spec.mrope_section,
+    )
     if family == "qwen3-vl":
         rope["mrope_interleaved"] = True
     ids = {name: value for name, value in TINY_IDS.items() if name != "pad"} if tiny else {}
@@ -234,8 +275,10 @@ def model_inputs(model, requests: list[Request], processor=None, device=None) ->
         "attention_mask": torch.tensor([[0] * (length - len(s)) + [1] * len(s) for s in sequences]),
         "mm_token_type_ids": torch.tensor([[0] * (length - len(k)) + k for k in types]),
     }
-    for kind, (values, grid) in (("image", ("pixel_values", "image_grid_thw")), ("video", ("pixel_values_videos",
-                                                                                          "video_grid_thw"))):
+    for kind, (values, grid) in (
+        ("image", ("pixel_values", "image_grid_thw")),
+        ("video", ("pixel_values_videos", "video_grid_thw")),
+    ):
         if pixels[kind]:
             out[values] = torch.cat(pixels[kind]).to(model.dtype)
             out[grid] = torch.tensor(grids[kind])

@@ -114,7 +114,9 @@ class CallArguments:
     fingerprint: Any = None
 
     @classmethod
-    def from_trace(cls, sources: Sequence[Any], fixed: Sequence[Any], forward: Callable[..., Any]) -> "CallArguments | None":
+    def from_trace(
+        cls, sources: Sequence[Any], fixed: Sequence[Any], forward: Callable[..., Any]
+    ) -> "CallArguments | None":
         """Readers for the graph inputs of ``sources`` (dynamo's, one per input; ``fixed`` holds the traced value
         of each input not rooted in an argument). None (logged) when the hot path cannot read some input."""
         signature = inspect.signature(forward)
@@ -126,7 +128,9 @@ class CallArguments:
                     raise _Unsupported(f"graph input {index} has no source")
                 found = _reader(source, names)
                 if found is None and fixed[index] is None:
-                    raise _Unsupported(f"graph input {index} ({source_name(source)}) that is neither an argument nor state")
+                    raise _Unsupported(
+                        f"graph input {index} ({source_name(source)}) that is neither an argument nor state"
+                    )
             except _Unsupported as why:
                 log.info("the encoder keeps dynamo's guards on every call: its inputs include %s", why)
                 return None

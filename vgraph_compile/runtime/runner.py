@@ -148,7 +148,9 @@ class VGraphRuntime:
         for shape in self.spec.outputs:
             if isinstance(shape, tuple):
                 narrow.append(
-                    tuple((dim, int(size.xreplace(substitution))) for dim, size in enumerate(shape) if size.free_symbols)
+                    tuple(
+                        (dim, int(size.xreplace(substitution))) for dim, size in enumerate(shape) if size.free_symbols
+                    )
                 )
             elif isinstance(shape, sympy.Expr):
                 narrow.append(int(shape.xreplace(substitution)))
