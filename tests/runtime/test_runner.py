@@ -252,3 +252,15 @@ def test_packed_offsets_input_is_padded_half_by_half(packed_model, lengths):
     inputs = _packed_inputs(lengths)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_metadata_refill_sees_in_place_changes_and_other_buckets(model, compiled):
+    """A cu_seqlens tensor passed again is re-copied when it was modified in place, or when another bucket wrote
+    the shared storage since; only an unchanged tensor into an untouched buffer skips the copy."""
+    patches, cu, _ = pack_images([5, 7], 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(patches, cu, 7), model(patches, cu, 7), rtol=1e-5, atol=1e-5)
+        cu[1] = 3  # segments of 3 and 9 rows, same tensor object
+        torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
+        compiled(*pack_images([6, 6], 12))  # the same bucket, other offsets, in the shared buffer
+        torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)

@@ -116,6 +116,8 @@ class CompiledVisionTower(torch.nn.Module):
     def _compile(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
         self.__dict__["compiled"] = encoder(_TowerCall(self.tower), config=self.vgraph_config)
+        self.__dict__["parameter"] = next(self.tower.parameters())
+        """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self._metadata.clear()
 
     def __getattr__(self, name: str) -> Any:
@@ -173,7 +175,7 @@ class CompiledVisionTower(torch.nn.Module):
                 f"pixel_values has {pixel_values.shape[0]} rows but grid_thw describes sum(t*h*w) = {rows} patches: "
                 "pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
             )
-        parameter = next(self.tower.parameters())
+        parameter = self.parameter
         if pixel_values.device != parameter.device or pixel_values.dtype != parameter.dtype:
             raise ValueError(
                 f"pixel_values is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
@@ -207,7 +209,7 @@ class CompiledVisionTower(torch.nn.Module):
             return
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         grid = ((1, side, 2 * side),)
-        parameter = next(self.tower.parameters())
+        parameter = self.parameter
         pixel_values = torch.randn(2 * side * side, self.patch_width, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
             self._run(pixel_values, grid)

@@ -87,6 +87,8 @@ class VGraphRuntime:
         self.device = ctx.device
         self.misses: dict[str, _Miss] = {}
         self._plans: dict[tuple[int, ...], _Plan] = {}
+        self._filled: dict[int, tuple[int, torch.Tensor, int]] = {}
+        """Per buffered input: (bucket budget, source tensor, its version) of the last fill (see ``_fill``)."""
         self._lock = threading.Lock()
         self._done: torch.cuda.Event | None = None
         self._parameters_need_grad = any(
@@ -249,6 +251,21 @@ class VGraphRuntime:
         )
         return self._miss(reason, args, f" ({detail})")
 
+    def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
+        """Fill the bucket's buffers. A metadata input (offsets, indices: anything but token rows) that is the same
+        unmodified tensor this buffer was last filled from, for this bucket, is not copied again: a tower's
+        metadata for a grid is one cached tensor, so repeated grids skip those copies. Token rows are always copied.
+        """
+        for index, buffer in bucket.buffers.items():
+            value, role = args[index], self.encoder.roles[index]
+            if role is not Role.TOKENS:
+                source = (bucket.shape.budget, value, value._version)
+                last = self._filled.get(index)
+                if last is not None and last[0] == source[0] and last[1] is value and last[2] == source[2]:
+                    continue
+                self._filled[index] = source
+            fill(role, buffer, value)
+
     @staticmethod
     def _narrow(outputs: Sequence[Any], plan: _Plan) -> list[Any]:
         """The outputs at the call's real sizes, copied out of the bucket's memory."""
@@ -277,8 +294,7 @@ class VGraphRuntime:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
                 stream.wait_event(self._done)
-            for index, buffer in bucket.buffers.items():
-                fill(self.encoder.roles[index], buffer, args[index])
+            self._fill(bucket, args)
             results = self._narrow(bucket.run(self.encoder.compiled), plan)
             if stream is not None:
                 self._done = self._done or torch.cuda.Event()
