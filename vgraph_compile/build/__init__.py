@@ -22,6 +22,7 @@ from vgraph_compile import backends
 from vgraph_compile.build import buckets as bucket_graphs
 from vgraph_compile.build.buckets import Bucket
 from vgraph_compile.build.compile import CompiledFn, compile_once
+from vgraph_compile.build.kernel_choice import choose_kernels
 from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager, select_kernel
 from vgraph_compile.passes.align_matmuls import PADDED_SHAPE
@@ -46,6 +47,8 @@ class CompiledEncoder:
     cudagraphs: bool
     roles: dict[int, Role]
     """Role of each input filled per call, by graph input index."""
+    kernels: dict[int, str] = field(default_factory=dict)
+    """Attention group -> the kernel its sites run."""
     pool_bytes: int = 0
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
     _captured: bool = field(default=False, repr=False)
@@ -97,6 +100,7 @@ def _bind_parameters(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
 def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     """Rewrite, compile once, bind and allocate; ``gm`` itself is left as traced."""
     cudagraphs = _cudagraphs(ctx)
+    ctx.kernels = choose_kernels(gm, ctx)
     eager = pass_manager.rewrite(copy.deepcopy(gm), ctx, pass_manager.REWRITES)
     compiled_graph = pass_manager.rewrite(copy.deepcopy(gm), ctx, pass_manager.REWRITES + pass_manager.COMPILE_REWRITES)
     for name, device in select_kernel.kernels_used(compiled_graph):
@@ -117,4 +121,5 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
         buckets = bucket_graphs.allocate(ctx.spec, shapes, bound, copied, sizes)
     counters.buckets_built += len(buckets)
     roles = {index: ctx.spec.inputs[index].role for index in copied}
-    return CompiledEncoder(eager, compiled, buckets, cudagraphs, roles)
+    kernels = select_kernel.kernels_by_group(compiled_graph, ctx)
+    return CompiledEncoder(eager, compiled, buckets, cudagraphs, roles, kernels)

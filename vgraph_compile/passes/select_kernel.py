@@ -2,9 +2,10 @@
 
 Invariant: inputs, outputs and every other node are unchanged; only the ``backend`` argument of vgraph's own ops
 moves. It runs on the eager fallback and on the graph inductor compiles alike, so both run the same kernel. A
-kernel is resolved for the device and dtype of that site's own q; a site on packed offsets keeps its kernel unless
-a packed one is configured. No kernel state (workspaces) is allocated here: the build does that
-(``kernels_used``).
+site takes its attention group's measured kernel (``ctx.kernels``, from the build's timing) when there is one,
+else the configured kernel resolved for the device and dtype of its own q; a site on packed offsets keeps its
+kernel unless a packed one is configured. Nothing is timed or allocated here: the build does that
+(``build/kernel_choice``, ``kernels_used``).
 
 Before/After (``attention_backend="sdpa"``)::
 
@@ -26,7 +27,7 @@ from vgraph_compile.passes.discover_varlen import VARLEN_OPS, VarlenOp
 from vgraph_compile.passes.fx_utils import example_value, get_argument, op_name, set_argument
 from vgraph_compile.passes.spec import PassContext
 
-__all__ = ["run", "kernels_used"]
+__all__ = ["run", "kernels_used", "kernels_by_group"]
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,19 @@ def kernels_used(gm: torch.fx.GraphModule) -> set[tuple[str, torch.device]]:
     return {(get_argument(node, op.backend), example_value(node).device) for node, op in _kernel_sites(gm)}
 
 
+def kernels_by_group(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]:
+    """Attention group -> the kernel its sites run (for the stats table and ``vgraph explain``)."""
+    groups = {site.node: site.group for site in ctx.spec.sites}
+    return {groups[node.name]: get_argument(node, op.backend) for node, op in _kernel_sites(gm) if node.name in groups}
+
+
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    groups = {site.node: site.group for site in ctx.spec.sites}
     rewritten = 0
     for node, op in _kernel_sites(gm):
         q = example_value(get_argument(node, op.q))
-        configured = backends.resolve(ctx.config.attention_backend, q.device, q.dtype)
+        name = ctx.kernels.get(groups.get(node.name), ctx.config.attention_backend)
+        configured = backends.resolve(name, q.device, q.dtype)
         if op.packed and not configured.packed:
             continue
         if get_argument(node, op.backend) != configured.name:

@@ -165,5 +165,5 @@ class PassContext:
     """Where the encoder runs (its first tensor input's device)."""
     spec: VarlenSpec | None = None
     buckets: tuple[BucketShape, ...] = ()
-    bucket: BucketShape | None = None
-    """The bucket a per-bucket rewrite is specializing for."""
+    kernels: Mapping[int, str] = field(default_factory=dict)
+    """Attention group -> kernel the build measured as fastest (``attention_backend="auto"`` on CUDA)."""

@@ -319,6 +319,9 @@ class VGraphRuntime:
                 f"{stats.budget:>8} {str(list(bucket.shape.segments)):>9} "
                 f"{str(list(bucket.shape.max_seqlen)):>11} {stats.hits:>6} {stats.padded_fraction:>7.1%}"
             )
+        if self.encoder.kernels:
+            kernels = ", ".join(f"group {group}: {name}" for group, name in sorted(self.encoder.kernels.items()))
+            lines.append(f"attention kernels: {kernels}")
         if self.encoder.cudagraphs:
             lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
         for miss in self.misses.values():
