@@ -189,10 +189,11 @@ class CompiledVisionTower(torch.nn.Module):
         if key in self._metadata:
             self._metadata.move_to_end(key)
             return self._metadata[key]
-        host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
-        metadata = {
-            name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()
-        }
+        with torch.inference_mode(False):  # plain tensors keep a version counter: the runtime skips re-copying them
+            host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
+            metadata = {
+                name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()
+            }
         self._metadata[key] = metadata
         if len(self._metadata) > self._metadata_cache_size:
             self._metadata.popitem(last=False)

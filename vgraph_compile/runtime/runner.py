@@ -254,11 +254,12 @@ class VGraphRuntime:
     def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
         """Fill the bucket's buffers. A metadata input (offsets, indices: anything but token rows) that is the same
         unmodified tensor this buffer was last filled from, for this bucket, is not copied again: a tower's
-        metadata for a grid is one cached tensor, so repeated grids skip those copies. Token rows are always copied.
+        metadata for a grid is one cached tensor, so repeated grids skip those copies. Token rows, and inference
+        tensors (which keep no version counter), are always copied.
         """
         for index, buffer in bucket.buffers.items():
             value, role = args[index], self.encoder.roles[index]
-            if role is not Role.TOKENS:
+            if role is not Role.TOKENS and not value.is_inference():
                 source = (bucket.shape.budget, value, value._version)
                 last = self._filled.get(index)
                 if last is not None and last[0] == source[0] and last[1] is value and last[2] == source[2]:
