@@ -17,7 +17,7 @@ __all__ = ["main", "explain"]
 
 
 def bound_table(geometry: VisionGeometry, budgets, max_items: int, max_frames: int | None) -> str:
-    rows = [geometry.bounds(budget, max_items, max_frames) for budget in budgets]
+    rows = [geometry.bounds(budget, max_items, max_frames).as_dict() for budget in budgets]
     keys = list(rows[0])
     lines = ["  ".join(f"{key:>17}" for key in keys)]
     lines += ["  ".join(f"{bounds[key]:>17}" for key in keys) for bounds in rows]
@@ -66,7 +66,7 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
         outputs = "; ".join(
             "[" + ", ".join(f"{r.lower}..{r.upper}" for r in dims) + "]" for dims in output_ranges(runtime.ctx, bucket)
         )
-        lines.append(f"{bucket.format()}; outputs {outputs}")
+        lines.append(f"{bucket.format(runtime.spec)}; outputs {outputs}")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from vgraph_compile.passes import bounds, discover_varlen
 def _bounds(gm, ctx):
     discover_varlen.run(gm, ctx)
     bounds.run(gm, ctx)
-    return "\n".join(bucket.format() for bucket in ctx.buckets)
+    return "\n".join(bucket.format(ctx.spec) for bucket in ctx.buckets)
 
 
 def test_bucket_sizes(tiny):
@@ -20,8 +20,8 @@ def test_bucket_sizes(tiny):
     assert_expected_inline(
         _bounds(gm, ctx),
         """\
-budget 16: segments=[4] max_seqlen=[16] (s40<=5 s7<=16 s84<=16)
-budget 64: segments=[4] max_seqlen=[64] (s40<=5 s7<=64 s84<=64)""",
+budget 16: segments=[4] max_seqlen=[16] (cu_seqlens.shape[0]<=5 max_seqlen<=16 patches.shape[0]<=16)
+budget 64: segments=[4] max_seqlen=[64] (cu_seqlens.shape[0]<=5 max_seqlen<=64 patches.shape[0]<=64)""",
     )
 
 
@@ -58,7 +58,7 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
         static_widths=False,
     )
     assert_expected_inline(
-        _bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)"""
+        _bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (cu.shape[0]<=3 max_seqlen<=16 x.shape[0]<=16 x.shape[1]==6)"""
     )
 
 
@@ -71,14 +71,14 @@ def _windowed(config_fields):
 
 
 def test_geometry_sizes_frames_and_windows():
-    """The window group (more segments in the trace) gets the tight window bound and max_seqlen w^2 m^2 = 64;
+    """The window group (its offsets named in window_offsets) gets the tight window bound and max_seqlen w^2 m^2 = 64;
     the frame group max_items frames and the whole budget as max_seqlen."""
     gm, ctx = _windowed({})
     assert_expected_inline(
         _bounds(gm, ctx),
         """\
-budget 1024: segments=[67, 4] max_seqlen=[64, 1024] (s11<=68 s24<=64 s40<=5 s7<=1024 s98<=256)
-budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (s11<=260 s24<=64 s40<=5 s7<=4096 s98<=1024)""",
+budget 1024: segments=[67, 4] max_seqlen=[64, 1024] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=68 max_seqlen<=1024 max_window_seqlen<=64 window_index.shape[0]<=256)
+budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=260 max_seqlen<=4096 max_window_seqlen<=64 window_index.shape[0]<=1024)""",
     )
 
 
@@ -88,6 +88,6 @@ def test_conservative_window_bound_for_the_ablation():
     assert_expected_inline(
         _bounds(gm, ctx),
         """\
-budget 1024: segments=[1024, 4] max_seqlen=[64, 1024] (s11<=1025 s24<=64 s40<=5 s7<=1024 s98<=256)
-budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (s11<=4097 s24<=64 s40<=5 s7<=4096 s98<=1024)""",
+budget 1024: segments=[1024, 4] max_seqlen=[64, 1024] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=1025 max_seqlen<=1024 max_window_seqlen<=64 window_index.shape[0]<=256)
+budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=4097 max_seqlen<=4096 max_window_seqlen<=64 window_index.shape[0]<=1024)""",
     )

@@ -17,13 +17,11 @@ def test_roles_from_data_flow(tiny):
     assert_expected_inline(
         ctx.spec.format(),
         """\
-tokens: s84 (symbol s84)
-group 0: offsets=l_cu_seqlens_ segments=s40 - 1 sites=['attended']
-input s84: size
-input l_patches_: tokens dims=[0]
-input s40: size
-input l_cu_seqlens_: segment_offsets dims=[0] group=0
-input l_max_seqlen_: max_seqlen group=0
+tokens: patches.shape[0]
+group 0: offsets=cu_seqlens segments=cu_seqlens.shape[0] - 1 sites=['attended']
+input patches: tokens dims=[0]
+input cu_seqlens: segment_offsets dims=[0] group=0
+input max_seqlen: max_seqlen group=0
 inputs: 18 parameters and module state (used in place)""",
     )
 
@@ -48,19 +46,15 @@ def test_groups_and_index_roles():
     assert_expected_inline(
         ctx.spec.format(),
         """\
-tokens: s77 (symbol s77)
-group 0: offsets=l_cu_full_ segments=s93 - 1 sites=['full']
-group 1: offsets=l_cu_window_ segments=s28 - 1 sites=['window']
-input s77: size
-input l_x_: tokens dims=[0]
-input s93: size
-input l_cu_full_: segment_offsets dims=[0] group=0
-input l_max_full_: max_seqlen group=0
-input s98: size
-input l_window_index_: gather_index dims=[0]
-input s28: size
-input l_cu_window_: segment_offsets dims=[0] group=1
-input l_max_window_: max_seqlen group=1
+tokens: x.shape[0]
+group 0: offsets=cu_full segments=cu_full.shape[0] - 1 sites=['full']
+group 1: offsets=cu_window segments=cu_window.shape[0] - 1 sites=['window']
+input x: tokens dims=[0]
+input cu_full: segment_offsets dims=[0] group=0
+input max_full: max_seqlen group=0
+input window_index: gather_index dims=[0]
+input cu_window: segment_offsets dims=[0] group=1
+input max_window: max_seqlen group=1
 inputs: 0 parameters and module state (used in place)""",
     )
 

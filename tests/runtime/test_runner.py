@@ -184,7 +184,7 @@ def packed_model():
 
 def test_packed_offsets_input_role(packed_model):
     """The input's role is found from the op it reaches (its segments are half its length, less one)."""
-    assert "l_packed_offsets_: packed_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
+    assert "input packed_offsets: packed_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
 
 
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5))

@@ -25,8 +25,8 @@ import torch.fx
 
 from vgraph_compile import backends
 from vgraph_compile.counters import counters
-from vgraph_compile.passes.discover_varlen import VARLEN_OPS
-from vgraph_compile.passes.fx_utils import example_value, get_argument, op_name, set_argument
+from vgraph_compile.passes.fx_utils import example_value, get_argument, set_argument
+from vgraph_compile.passes.sites import varlen_sites
 from vgraph_compile.passes.spec import PassContext
 
 __all__ = ["run", "select_backend"]
@@ -34,18 +34,11 @@ __all__ = ["run", "select_backend"]
 log = logging.getLogger(__name__)
 
 
-def _sites(gm: torch.fx.GraphModule):
-    for node in gm.graph.nodes:
-        name = op_name(node) if node.op == "call_function" else None
-        if name in VARLEN_OPS:
-            yield node, VARLEN_OPS[name]
-
-
 def select_backend(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
     """Point every vgraph attention site at the configured kernel, resolved for the device and dtype of its own q;
     a site on packed offsets keeps its own kernel unless a packed one is configured. Returns the nodes changed."""
     rewritten = 0
-    for node, op in _sites(gm):
+    for node, op in varlen_sites(gm):
         if op.backend is None:
             continue
         q = example_value(get_argument(node, op.q))
@@ -64,7 +57,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     bucket = ctx.bucket
     groups = {site.node: site.group for site in ctx.spec.sites}
     rewritten = select_backend(gm, ctx)
-    for node, op in _sites(gm):
+    for node, op in varlen_sites(gm):
         for argument in op.max_seqlen:
             if isinstance(get_argument(node, argument), torch.fx.Node):
                 set_argument(node, argument, bucket.max_seqlen[groups[node.name]])
