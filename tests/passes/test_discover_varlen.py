@@ -81,3 +81,83 @@ def test_refuses_int64_cu_seqlens(tiny):
     gm, ctx = trace(model, patches, cu.long(), max_seqlen)
     with pytest.raises(ValueError, match="is torch.int64: varlen kernels read int32 offsets"):
         discover_varlen.run(gm, ctx)
+
+
+def _encoder(x, cu, max_seqlen):
+    q = x.view(x.shape[0], 2, -1)
+    return varlen_attention(q, q, q, cu.reshape(-1), int(max_seqlen))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(12, 8), torch.tensor([0, 5, 12], dtype=torch.float32), 7), "'cu' is torch.float32"),
+        ((torch.randn(12, 8), torch.tensor([[0, 5, 12]], dtype=torch.int32), 7), "'cu' is 2-D"),
+    ],
+    ids=["float cu_seqlens", "2-D cu_seqlens"],
+)
+def test_bad_inputs_are_refused_in_the_users_names(args, message):
+    gm, ctx = trace(_encoder, *args)
+    with pytest.raises(ValueError, match=message):
+        discover_varlen.run(gm, ctx)
+
+
+def test_a_float_max_seqlen_is_refused_through_torch_compile():
+    """Plain torch.compile keeps floats symbolic: a float max_seqlen reaches the analysis, which names it."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_encoder, backend="vgraph", dynamic=True, options={"token_budgets": [16]})
+    with pytest.raises(BackendCompilerFailed, match="max_seqlen input 'max_seqlen' is a float") as refused:
+        compiled(torch.randn(12, 8), torch.tensor([0, 5, 12], dtype=torch.int32), 7.0)
+    assert isinstance(refused.value.inner_exception, ValueError)
+
+
+def test_tokens_of_another_dtype_than_the_parameters_are_refused(tiny):
+    """float64 patches into a float32 linear: refused at trace time, before any bucket compiles."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    model, _, _ = tiny
+    patches, cu, max_seqlen = pack_images([5, 8], 12)  # 13 tokens: not duck-sized with the width 12
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="vgraph", dynamic=True, options={"token_budgets": [16]})
+    message = "input 'patches' is torch.float64 but meets parameters of torch.float32"
+    with pytest.raises(BackendCompilerFailed, match=message) as refused:
+        compiled(patches.double(), cu, max_seqlen)
+    assert isinstance(refused.value.inner_exception, ValueError)
+
+
+def test_a_window_permutation_ties_tokens_to_the_index_length():
+    """A reshape of [n, 4, d] back into [tokens, d] says tokens = 4 n: the graph gives the relation."""
+    from vgraph_compile.models.examples import windowed_vit
+
+    model, inputs = windowed_vit()
+    gm, ctx = trace(model, *inputs, plain=True)
+    discover_varlen.run(gm, ctx)
+    assert_expected_inline(
+        "\n".join(ctx.spec.format().splitlines()[:4]),
+        """\
+tokens: 4*window_index.shape[0]
+relation: patches.shape[0] == 4*window_index.shape[0]
+group 0: offsets=cu_window_seqlens segments=cu_window_seqlens.shape[0] - 1 sites=['attended']
+group 1: offsets=cu_seqlens segments=cu_seqlens.shape[0] - 1 sites=['attended_1']""",
+    )
+
+
+def test_a_relation_the_graph_lacks_is_asked_for_by_name():
+    """A window permutation flattened without a reshape back to the token count leaves the rows a product of two
+    sizes: the message names both inputs and gives the torch._check that ties them (ratio of the traced call)."""
+
+    def encoder(x, cu, max_seqlen, window_index):
+        permuted = x.reshape(x.shape[0] // 4, 4, -1)[window_index].flatten(0, 1)
+        q = permuted.view(permuted.shape[0], 2, -1)
+        return varlen_attention(q, q, q, cu, max_seqlen)
+
+    inputs = (torch.randn(32, 6), torch.tensor([0, 16, 32], dtype=torch.int32), 16, torch.randperm(8))
+    gm, ctx = trace(encoder, *inputs, plain=True)
+    with pytest.raises(ValueError) as refused:
+        discover_varlen.run(gm, ctx)
+    assert_expected_inline(
+        str(refused.value),
+        """the attention's packed row count is window_index.shape[0]*((x.shape[0]//((x.shape[0]//4)))): vgraph bounds a sum of sizes (e.g. patches + one CLS row per image), and found no relation in the graph that reduces it to one. Tie the sizes in the encoder before the attention, e.g. torch._check(x.shape[0] == 4 * window_index.shape[0])""",
+    )

@@ -165,7 +165,7 @@ def _offsets_input(site: Site, argument: str, inputs: Inputs) -> tuple[int, bool
     value, name = example_value(inputs.nodes[index]), inputs.name(index)
     if value.dim() != 1:
         raise ValueError(
-            f"cu_seqlens input {name!r} has shape {tuple(value.shape)}: it must be 1-D [segments + 1], "
+            f"cu_seqlens input {name!r} is {value.dim()}-D: it must be 1-D [segments + 1], "
             f"the prefix sums of the segment lengths; flatten it (e.g. {name}.reshape(-1))"
         )
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
@@ -187,17 +187,16 @@ def _max_seqlen_inputs(site: Site, inputs: Inputs) -> frozenset[int]:
         bound = site.argument(argument)
         if not isinstance(bound, torch.fx.Node):
             continue
-        for node in ancestors(bound):
+        sources = list(ancestors(bound))
+        if any(isinstance(example_value(node), torch.SymFloat) for node in sources):
+            names = [inputs.name(index) for index in map(inputs.index, sources) if index is not None]
+            raise ValueError(
+                f"max_seqlen input {', '.join(map(repr, names))} is a float: it must be a Python int, the length "
+                "of the longest segment (pass int(max_seqlen))"
+            )
+        for node in sources:
             index = inputs.index(node)
-            value = example_value(node)
-            if index is None:
-                continue
-            if isinstance(value, torch.SymFloat):
-                raise ValueError(
-                    f"max_seqlen input {inputs.name(index)!r} is a float: it must be a Python int, the length of "
-                    f"the longest segment (int(...) it before the call)"
-                )
-            if isinstance(value, torch.SymInt):
+            if index is not None and isinstance(example_value(node), torch.SymInt):
                 found.add(index)
     return frozenset(found)
 
@@ -432,12 +431,28 @@ def token_rows(found: list[FoundSite], features: dict, solved: dict, spec: Varle
         not coefficient.is_Integer or (monomial != (0,) * len(monomial) and coefficient <= 0)
         for monomial, coefficient in poly.terms()
     ):
+        pinned = _pinned_dims(spec)
+        if pinned:
+            raise StaticTokensError(
+                f"the attention's packed row count is {spec.describe_expr(rows)}, not a sum of sizes, because the "
+                f"trace fixed {', '.join(pinned)} (dynamo specializes sizes 0 and 1): it serves such calls only. "
+                "Use vgraph_compile.encoder, which traces without that specialization."
+            )
         raise ValueError(
             f"the attention's packed row count is {spec.describe_expr(rows)}: vgraph bounds a sum of sizes (e.g. "
             "patches + one CLS row per image), and found no relation in the graph that reduces it to one. "
             f"Tie the sizes in the encoder before the attention, e.g. {_tie_hint(rows, spec.describe, hints)}"
         )
     return rows
+
+
+def _pinned_dims(spec: VarlenSpec) -> list[str]:
+    """Leading dims of non-parameter tensor inputs that the trace fixed at 0 or 1."""
+    return [
+        f"{spec.describe_input(role.index)}.shape[0] == {shape[0]}"
+        for role, shape in zip(spec.inputs, spec.input_shapes)
+        if role.role is not Role.PARAMETER and shape and shape[0] in (0, 1)
+    ]
 
 
 def _check_token_dtypes(gm: torch.fx.GraphModule, inputs: Inputs, roles: dict[int, InputRole]) -> None:
