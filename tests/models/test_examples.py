@@ -33,8 +33,7 @@ def _compiled(factory, entry):
 
 ENCODERS = {
     (factory, entry): _compiled(factory, entry)
-    for factory in ("cls_vit", "register_vit")
-    for entry in ("torch.compile", "decorator")
+    for factory, entry in (("cls_vit", "torch.compile"), ("cls_vit", "decorator"), ("register_vit", "torch.compile"))
 }
 
 
