@@ -56,6 +56,7 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
         max_items=args.max_items,
         max_frames=args.max_frames,
         compiler="eager",
+        check_values=False,  # explain traces the example call; it serves no caller's values
     )
     backend = VGraphBackend(config)
     with trace_options(example_args), torch.no_grad():
