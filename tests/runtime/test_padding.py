@@ -29,6 +29,19 @@ def test_rules_overwrite_a_poisoned_buffer(rows, extra):
     assert buffer[rows:].eq(0).all()
 
 
+@given(rows=st.integers(1, 20), extra=st.integers(1, 20))
+def test_padded_scatter_entries_write_only_padding_rows(rows, extra):
+    """A scatter index writes a dim as long as itself: its real entries cover rows [0, rows), its padded entries
+    point at rows >= rows (the destination's padding), each once, so scattering through it keeps real rows."""
+    index = torch.randperm(rows)
+    buffer = torch.full((rows + extra,), -1, dtype=torch.int64)
+    fill(Role.SCATTER_INDEX, buffer, index)
+    assert torch.equal(buffer[:rows], index) and buffer[rows:].ge(rows).all()
+    source = torch.cat([torch.arange(1.0, rows + 1), torch.full((extra,), float("nan"))])
+    written = torch.zeros(rows + extra).index_copy(0, buffer, source)
+    torch.testing.assert_close(written[index], torch.arange(1.0, rows + 1), rtol=0, atol=0)
+
+
 def test_two_padded_dims_keep_the_value_in_its_corner():
     """Padded in two dims, the value lands at [:2, :3] and every other element is zero (no NaN left)."""
     value = torch.arange(1.0, 7.0).view(2, 3)

@@ -8,11 +8,12 @@ Steps, each a function with a typed result (``run`` chains them):
    max_seqlen back to the int inputs it comes from.
 2. ``attention_groups``: sites sharing one offsets input form a group; the group's offsets and max_seqlen
    inputs get their roles (SEGMENT_OFFSETS / SEGMENT_LENGTHS / PACKED_OFFSETS, MAX_SEQLEN).
-3. ``index_roles``: integer inputs reaching an index argument are GATHER_INDEX when the indexed dim is
-   symbolic, else TABLE_INDEX.
+3. ``index_roles``: integer inputs reaching an index that writes rows (``index_copy``, ``index_put``,
+   ``scatter``, ``x[i] = ...``) are SCATTER_INDEX; those reaching a read are GATHER_INDEX when the indexed dim
+   is symbolic, else TABLE_INDEX.
 4. ``bindings``: where each size symbol is read per call; every other input's role (TOKENS for tensors with a
    symbolic dim, PARAMETER for module state, STATIC, SIZE for ints).
-5. ``relations``: sizes the graph ties together (a reshape's requested size equals the size it produces, an
+5. ``relations`` (computed before 3, which compares sizes through them): sizes the graph ties together (a reshape's requested size equals the size it produces, an
    ``Eq`` guard), solved for one symbol each; e.g. Qwen2.5-VL's window permutation gives tokens = 4 n.
 6. ``token_rows``: the first site's packed row count, with the relations applied; it must be a constant plus
    positive multiples of sizes (``patches + images`` with a CLS row per image), which the budgets bound.
@@ -272,11 +273,50 @@ def _index_uses(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, objec
             yield node.args[0], example_value(node.args[1]).shape[0]
 
 
+_WRITERS = {"index_copy", "index_copy_", "index_put", "index_put_", "scatter", "scatter_", "setitem"}
+
+
+def _write_uses(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, object]]:
+    """(index node, size of the written dim) for every tensor used as an index that writes rows."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or _callable_name(node) not in _WRITERS:
+            continue
+        name, args = _callable_name(node), node.args
+        target = example_value(args[0])
+        if not isinstance(target, torch.Tensor):
+            continue
+        if name in ("index_put", "index_put_", "setitem"):
+            indices = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+            for dim, index in enumerate(indices):
+                if isinstance(index, torch.fx.Node) and isinstance(example_value(index), torch.Tensor):
+                    yield index, target.shape[dim]
+        else:
+            dim, index = args[1], args[2]
+            if isinstance(index, torch.fx.Node):
+                yield index, target.shape[dim]
+
+
 def index_roles(
     gm: torch.fx.GraphModule, inputs: Inputs, taken: dict[int, InputRole], simplify: Simplify
 ) -> dict[int, InputRole]:
-    """Step 3: GATHER_INDEX / TABLE_INDEX roles of integer inputs used as indices (not already given a role)."""
+    """Step 3: SCATTER_INDEX / GATHER_INDEX / TABLE_INDEX roles of integer inputs used as indices (not already
+    given a role); an input that both writes and reads is a SCATTER_INDEX (its padding serves both)."""
     roles: dict[int, InputRole] = {}
+    for index_node, written_size in _write_uses(gm):
+        written = simplify(written_size)
+        for index in _source_inputs(index_node, inputs)[0]:
+            node, value = inputs.nodes[index], example_value(inputs.nodes[index])
+            if index in taken or index in roles or value.dtype.is_floating_point or not written.free_symbols:
+                continue
+            length = simplify(value.shape[0]) if value.dim() == 1 else None
+            if length is None or sympy.simplify(length - written) != 0:
+                raise ValueError(
+                    f"scatter index {inputs.name(index)!r} (shape {tuple(value.shape)}) writes rows of a dim of "
+                    f"{written} rows: vgraph pads 1-D indices that write a dim exactly as long as themselves (each "
+                    "padded entry then writes a padding row); compute other write positions in the encoder from "
+                    "cu_seqlens"
+                )
+            roles[index] = InputRole(index, node.name, Role.SCATTER_INDEX, (0,), indexed=written)
     for index_node, indexed_size in _index_uses(gm):
         indexed = simplify(indexed_size)
         sources, _ = _source_inputs(index_node, inputs)
@@ -516,16 +556,17 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
 
     inputs = graph_inputs(gm, ctx)
     found = find_sites(gm, inputs, simplify)
-    groups, roles = attention_groups(found, inputs, simplify)
-    roles.update(index_roles(gm, inputs, roles, simplify))
-    bound, input_shapes, other_roles = bindings(inputs, roles, simplify)
-    roles.update(other_roles)
-    _check_token_dtypes(gm, inputs, roles)
     features = _feature_sizes(inputs, simplify, shape_env)
     solved = {symbol: expr for symbol, expr in relations(gm, shape_env, simplify).items() if symbol not in features}
 
     def reduce(expr):
         return sympy.sympify(sympy.sympify(expr).xreplace(solved))
+
+    groups, roles = attention_groups(found, inputs, simplify)
+    roles.update(index_roles(gm, inputs, roles, lambda value: reduce(simplify(value))))
+    bound, input_shapes, other_roles = bindings(inputs, roles, simplify)
+    roles.update(other_roles)
+    _check_token_dtypes(gm, inputs, roles)
 
     partial = VarlenSpec(
         inputs=tuple(roles[index] for index in range(len(inputs.nodes))),

@@ -39,6 +39,10 @@ class Role(str, enum.Enum):
     GATHER_INDEX = "gather_index"
     """Integer index into a token-sized dim (e.g. a window permutation): padded with the identity, so padded
     rows only ever gather padded rows."""
+    SCATTER_INDEX = "scatter_index"
+    """Integer index that writes rows (``index_copy``, ``index_put``, ``scatter``, ``x[index] = ...``) into a dim
+    exactly as long as itself (e.g. an inverse window permutation): padded with the identity, so each padded entry
+    writes a padding row (the rows past the real count), never a real row."""
     TABLE_INDEX = "table_index"
     """Integer index into a fixed-size table (e.g. a position embedding): padded with 0, a valid entry."""
     MAX_SEQLEN = "max_seqlen"
@@ -61,7 +65,7 @@ class InputRole:
     group: int | None = None
     """Attention group of SEGMENT_OFFSETS / SEGMENT_LENGTHS / MAX_SEQLEN inputs."""
     indexed: "sympy.Expr | None" = None
-    """For GATHER_INDEX: size of the dim it indexes, which bounds its length."""
+    """For GATHER_INDEX / SCATTER_INDEX: size of the dim it reads or writes, which bounds its length."""
 
     def format(self) -> str:
         parts = [f"{user_name(self.name)}: {self.role.value}"]
