@@ -20,13 +20,15 @@ def _nan_call(compiled, inputs):
         compiled(*poisoned)
 
 
-def _compiled(factory, entry):
+def _compiled(factory, entry, **options):
+    """The example encoder of ``factory`` through ``entry``, after a NaN call."""
     model, inputs = getattr(examples, factory)()
+    options = {**OPTIONS, **options}
     torch._dynamo.reset()
     if entry == "torch.compile":
-        compiled = torch.compile(model, backend="vgraph", dynamic=True, options=OPTIONS)
+        compiled = torch.compile(model, backend="vgraph", dynamic=True, options=options)
     else:
-        compiled = vgraph_compile.encoder(model, **OPTIONS)
+        compiled = vgraph_compile.encoder(model, **options)
     _nan_call(compiled, inputs)
     return model, compiled
 
@@ -57,15 +59,9 @@ GRIDS = st.lists(
 @pytest.mark.parametrize("entry", ["torch.compile", "decorator"])
 def test_windowed_vit_needs_no_torch_check(entry):
     """The window permutation ties tokens to 4x the window index in the graph itself: no torch._check needed."""
-    model, inputs = examples.windowed_vit()
-    options = dict(OPTIONS, token_budgets=(256, 1024), geometry=examples.QWEN25_GEOMETRY, max_items=3)
-    options.pop("max_segments")
-    torch._dynamo.reset()
-    if entry == "torch.compile":
-        compiled = torch.compile(model, backend="vgraph", dynamic=True, options=options)
-    else:
-        compiled = vgraph_compile.encoder(model, **options)
-    _nan_call(compiled, inputs)
+    model, compiled = _compiled(
+        "windowed_vit", entry, token_budgets=(256, 1024), geometry=examples.QWEN25_GEOMETRY, max_items=3, max_segments=None
+    )
 
     @given(grid=GRIDS)
     def check(grid):

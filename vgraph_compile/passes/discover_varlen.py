@@ -40,7 +40,7 @@ from torch._dynamo import source as dynamo_source
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from vgraph_compile.counters import counters
-from vgraph_compile.passes.fx_utils import ancestors, example_value, traced_values
+from vgraph_compile.passes.fx_utils import ancestors, example_value, substitute, traced_values
 from vgraph_compile.passes.sites import Site, known_ops, varlen_sites
 from vgraph_compile.passes.spec import (
     AttentionGroup,
@@ -455,7 +455,7 @@ def _tie_hint(rows: sympy.Expr, spec_names: Callable[[sympy.Symbol], str], hints
 def token_rows(found: list[FoundSite], features: dict, solved: dict, spec: VarlenSpec, hints: dict) -> sympy.Expr:
     """Step 6: the first site's rows, relations applied; a constant plus positive multiples of sizes.
     ``spec`` names the sizes in messages (its inputs and bindings are all it needs)."""
-    rows = sympy.sympify(found[0].rows.xreplace(features).xreplace(solved))
+    rows = sympy.sympify(substitute(found[0].rows, features).xreplace(solved))
     if not rows.free_symbols:
         raise StaticTokensError(
             f"the trace fixed the attention's packed row count at {rows}: without dynamic=True, or with "
@@ -533,7 +533,7 @@ def _outputs(gm: torch.fx.GraphModule, simplify: Simplify) -> tuple:
     return tuple(outputs)
 
 
-def _feature_sizes(inputs: Inputs, simplify: Simplify, shape_env) -> dict[sympy.Symbol, sympy.Integer]:
+def _feature_sizes(inputs: Inputs, simplify: Simplify, shape_env) -> dict[sympy.Symbol, int]:
     """Sizes that ``dynamic=True`` made symbolic in the trailing dims of packed inputs (feature widths), at their
     traced values: packed inputs vary in dim 0 only. Bounds later pin them (a call must match them)."""
     leading, trailing = set(), set()
@@ -544,7 +544,7 @@ def _feature_sizes(inputs: Inputs, simplify: Simplify, shape_env) -> dict[sympy.
         for dim, size in enumerate(value.shape):
             (trailing if dim else leading).update(simplify(size).free_symbols)
     hints = traced_values(shape_env)
-    return {symbol: sympy.Integer(int(hints[symbol])) for symbol in trailing - leading if symbol in hints}
+    return {symbol: int(hints[symbol]) for symbol in trailing - leading if symbol in hints}
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -596,7 +596,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         bindings=bound,
         input_shapes=input_shapes,
         outputs=_outputs(gm, simplify),
-        features={symbol: int(value) for symbol, value in features.items()},
+        features=features,
         relations=solved,
     )
     ctx.spec = spec
