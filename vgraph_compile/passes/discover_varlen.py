@@ -15,7 +15,7 @@ Steps, each a function with a typed result (``run`` chains them):
    symbolic dim, PARAMETER for module state, STATIC, SIZE for ints).
 5. ``relations`` (computed before 3, which compares sizes through them): sizes the graph ties together (a reshape's requested size equals the size it produces, an
    ``Eq`` guard), solved for one symbol each; e.g. Qwen2.5-VL's window permutation gives tokens = 4 n.
-6. ``token_rows``: the first site's packed row count, with the relations applied; it must be a constant plus
+6. ``check_token_rows``: the first site's packed row count, with the relations applied; it must be a constant plus
    positive multiples of sizes (``patches + images`` with a CLS row per image), which the budgets bound.
 7. ``outputs``: each output's shape or value expression.
 Refused with a ValueError in the user's names: no site; a data-dependent value (``.item()``/``.tolist()``
@@ -54,7 +54,17 @@ from vgraph_compile.passes.spec import (
     user_name,
 )
 
-__all__ = ["run", "StaticTokensError", "find_sites", "attention_groups", "index_roles", "relations"]
+__all__ = [
+    "run",
+    "StaticTokensError",
+    "graph_inputs",
+    "find_sites",
+    "attention_groups",
+    "index_roles",
+    "bindings",
+    "relations",
+    "check_token_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +79,8 @@ class Inputs:
     parameters: frozenset[int]
 
     def index(self, node: torch.fx.Node) -> int | None:
-        return self.nodes.index(node) if node in self.nodes else None
+        """Position of ``node`` among the inputs; None for any other node."""
+        return self.nodes.index(node) if node.op == "placeholder" else None
 
     def name(self, index: int) -> str:
         return user_name(self.nodes[index].name)
@@ -452,10 +463,10 @@ def _tie_hint(rows: sympy.Expr, spec_names: Callable[[sympy.Symbol], str], hints
     return f"torch._check(...) relating {names}"
 
 
-def token_rows(found: list[FoundSite], features: dict, solved: dict, spec: VarlenSpec, hints: dict) -> sympy.Expr:
-    """Step 6: the first site's rows, relations applied; a constant plus positive multiples of sizes.
-    ``spec`` names the sizes in messages (its inputs and bindings are all it needs)."""
-    rows = sympy.sympify(substitute(found[0].rows, features).xreplace(solved))
+def check_token_rows(spec: VarlenSpec, hints: dict) -> None:
+    """Step 6: the token rows (first site, relations applied) must be a constant plus positive multiples of
+    sizes; refused in the user's names otherwise."""
+    rows = spec.token_rows
     if not rows.free_symbols:
         raise StaticTokensError(
             f"the trace fixed the attention's packed row count at {rows}: without dynamic=True, or with "
@@ -468,8 +479,7 @@ def token_rows(found: list[FoundSite], features: dict, solved: dict, spec: Varle
     except sympy.PolynomialError:
         pass
     if poly is None or poly.total_degree() != 1 or any(
-        not coefficient.is_Integer or (monomial != (0,) * len(monomial) and coefficient <= 0)
-        for monomial, coefficient in poly.terms()
+        not coefficient.is_Integer or (any(monomial) and coefficient <= 0) for monomial, coefficient in poly.terms()
     ):
         pinned = _pinned_dims(spec)
         if pinned:
@@ -483,7 +493,6 @@ def token_rows(found: list[FoundSite], features: dict, solved: dict, spec: Varle
             "patches + one CLS row per image), and found no relation in the graph that reduces it to one. "
             f"Tie the sizes in the encoder before the attention, e.g. {_tie_hint(rows, spec.describe, hints)}"
         )
-    return rows
 
 
 def _pinned_dims(spec: VarlenSpec) -> list[str]:
@@ -562,43 +571,30 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     def reduce(expr):
         return sympy.sympify(sympy.sympify(expr).xreplace(solved))
 
-    groups, roles = attention_groups(found, inputs, simplify)
-    roles.update(index_roles(gm, inputs, roles, lambda value: reduce(simplify(value))))
+    def related(value) -> sympy.Expr:
+        """A size with the trace's replacements and the graph's relations applied."""
+        return sympy.sympify(simplify(value).xreplace(solved))
+
+    groups, roles = attention_groups(found, inputs, related)
+    roles.update(index_roles(gm, inputs, roles, related))
     bound, input_shapes, other_roles = bindings(inputs, roles, simplify)
     roles.update(other_roles)
     _check_token_dtypes(gm, inputs, roles)
-
-    partial = VarlenSpec(
-        inputs=tuple(roles[index] for index in range(len(inputs.nodes))),
-        sites=(),
-        groups=(),
-        token_rows=sympy.Integer(0),
-        bindings=bound,
-        input_shapes=input_shapes,
-        outputs=(),
-    )
-    rows = token_rows(found, features, solved, partial, traced_values(shape_env))
-    groups = tuple(
-        AttentionGroup(g.index, g.offsets_input, reduce(g.segments), g.max_seqlen_inputs, g.sites) for g in groups
-    )
     group_of = {site: group.index for group in groups for site in group.sites}
-    roles = {
-        index: role if role.indexed is None else dataclasses.replace(role, indexed=reduce(role.indexed))
-        for index, role in roles.items()
-    }
     spec = VarlenSpec(
         inputs=tuple(roles[index] for index in range(len(inputs.nodes))),
         sites=tuple(
-            VarlenSite(f.site.node.name, f.site.op.name, group_of[f.site.node.name], reduce(f.rows)) for f in found
+            VarlenSite(f.site.node.name, f.site.op.name, group_of[f.site.node.name], related(f.rows)) for f in found
         ),
         groups=groups,
-        token_rows=rows,
+        token_rows=substitute(related(found[0].rows), features),
         bindings=bound,
         input_shapes=input_shapes,
         outputs=_outputs(gm, simplify),
         features=features,
         relations=solved,
     )
+    check_token_rows(spec, traced_values(shape_env))
     ctx.spec = spec
     log.info("discovered %d varlen sites in %d attention groups", len(found), len(groups))
     log.debug("varlen spec:\n%s", spec.format())
