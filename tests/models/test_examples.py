@@ -60,9 +60,8 @@ GRIDS = st.lists(
 def test_windowed_vit_needs_no_torch_check(entry):
     """The window permutation ties tokens to 4x the window index in the graph itself: no torch._check needed."""
     earlier = {runtime.serial for runtime in vgraph_compile.runtimes()}
-    model, compiled = _compiled(
-        "windowed_vit", entry, token_budgets=(256, 1024), geometry=examples.QWEN25_GEOMETRY, max_items=3, max_segments=None
-    )
+    geometry = {"geometry": examples.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
+    model, compiled = _compiled("windowed_vit", entry, token_budgets=(256, 1024), **geometry)
 
     @given(grid=GRIDS)
     def check(grid):
@@ -73,4 +72,4 @@ def test_windowed_vit_needs_no_torch_check(entry):
     check()
     (runtime,) = [runtime for runtime in vgraph_compile.runtimes() if runtime.serial not in earlier]
     assert runtime.spec.format().splitlines()[0] == "tokens: 4*window_index.shape[0]"
-    assert runtime.hits > 0
+    assert runtime.hits >= 20, runtime.stats_table()  # calls with one window token retrace (dynamo fixes size 1)

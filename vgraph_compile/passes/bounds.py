@@ -135,7 +135,7 @@ def _least(spec: VarlenSpec) -> dict[sympy.Symbol, int]:
     """The least value of each segment symbol in a call: the one that makes one segment."""
     least = {}
     for group in spec.groups:
-        solved = solve_for(group.segments, 1, f"segment count of group {group.index}") if group.segments.free_symbols else None
+        solved = solve_for(group.segments, 1, f"segment count of group {group.index}")
         if solved is not None:
             least[solved[0]] = solved[1]
     return least

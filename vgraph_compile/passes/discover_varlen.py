@@ -13,8 +13,9 @@ Steps, each a function with a typed result (``run`` chains them):
    is symbolic, else TABLE_INDEX.
 4. ``bindings``: where each size symbol is read per call; every other input's role (TOKENS for tensors with a
    symbolic dim, PARAMETER for module state, STATIC, SIZE for ints).
-5. ``relations`` (computed before 3, which compares sizes through them): sizes the graph ties together (a reshape's requested size equals the size it produces, an
-   ``Eq`` guard), solved for one symbol each; e.g. Qwen2.5-VL's window permutation gives tokens = 4 n.
+5. ``relations`` (computed before 2, whose sizes go through them): sizes the graph ties together (a reshape's
+   requested size equals the size it produces, an ``Eq`` guard), solved for one symbol each; e.g. Qwen2.5-VL's
+   window permutation gives tokens = 4 n.
 6. ``check_token_rows``: the first site's packed row count, with the relations applied; it must be a constant plus
    positive multiples of sizes (``patches + images`` with a CLS row per image), which the budgets bound.
 7. ``outputs``: each output's shape or value expression.

@@ -1,8 +1,8 @@
 """Rewrite: sites whose kernel reads packed element offsets (FlashInfer's cuDNN prefill) get them built in the graph.
 
 Invariant: applies only to sites of ops that lower to packed offsets (``VarlenOp.lowers_to_packed``:
-``vgraph::varlen_attention``) whose ``backend`` is a packed backend (others are left alone). The packed buffer is computed from the site's token ``cu_seqlens`` inside the graph, with the real
-token strides: ``[cu * heads * head_dim | cu * v.stride(0)]``. Since the runtime pads ``cu_seqlens`` by repeating
+``vgraph::varlen_attention``) whose ``backend`` is a packed backend (others are left alone). The packed buffer is
+computed from the site's token ``cu_seqlens`` inside the graph, with the real token strides: ``[cu * heads * head_dim | cu * v.stride(0)]``. Since the runtime pads ``cu_seqlens`` by repeating
 its last offset, each half is padded by its own last value by construction; no packed buffer is ever padded as one
 flat sequence. q and k are made contiguous so that one Q/K/O half describes all three.
 

@@ -199,7 +199,7 @@ class BucketShape:
         """One line; with ``spec``, sizes by the user's names (``patches.shape[0]<=64``), else by symbol."""
         name = spec.describe if spec is not None else str
         values = " ".join(
-            sorted(f"{name(symbol)}{'==' if symbol in self.fixed else '<='}{value}" for symbol, value in self.values.items())
+            sorted(f"{name(s)}{'==' if s in self.fixed else '<='}{value}" for s, value in self.values.items())
         )
         return f"budget {self.budget}: segments={list(self.segments)} max_seqlen={list(self.max_seqlen)} ({values})"
 
