@@ -408,11 +408,12 @@ def relations(gm: torch.fx.GraphModule, shape_env, simplify: Simplify) -> dict[s
 
     Sources: a reshape/view's produced dim equals the one the caller asked for; the ShapeEnv's ``Eq`` guards.
     A compound size equal to a constant (``s // (s // 4) == 4``) is used to simplify the others."""
-    equalities = list(_view_equalities(gm, simplify))
+    equalities = [(lhs, rhs) for lhs, rhs in _view_equalities(gm, simplify) if (lhs - rhs).free_symbols]
     for guard in shape_env.guards:
         expr = simplify(guard.expr)
         if isinstance(expr, sympy.Eq):
             equalities.append((expr.lhs, expr.rhs))
+    equalities = list(dict.fromkeys(equalities))
     constants: dict[sympy.Expr, sympy.Expr] = {}
     solved: dict[sympy.Symbol, sympy.Expr] = {}
 
