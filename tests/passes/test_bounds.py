@@ -157,3 +157,19 @@ def test_every_cls_call_within_a_budget_fits_its_bucket(lengths):
     for bucket in CLS.buckets:
         fits = all(value <= bucket.values[symbol] for symbol, value in sizes.items())
         assert fits or rows > bucket.budget, f"{lengths} ({rows} rows) does not fit budget {bucket.budget}"
+
+
+def test_window_group_is_named_not_guessed_from_the_traced_image():
+    """Traced on one image of exactly one window (as many windows as frames), the group of cu_window_seqlens still
+    gets the window bound: the config names it; the shape of the traced call does not matter."""
+    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs, windowed_vit
+
+    model, _ = windowed_vit()
+    inputs = windowed_inputs(QWEN25_GEOMETRY, [(1, 8, 8)], 24)
+    config = VGraphConfig(token_budgets=(1024,), geometry=QWEN25_GEOMETRY, max_items=4)
+    gm, ctx = trace(model, *inputs, config=config)
+    assert inputs[1].shape == inputs[3].shape, "one frame, one window"
+    assert_expected_inline(_bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 4] max_seqlen=[64, 1024]""")
+    unnamed = VGraphConfig(token_budgets=(1024,), geometry=QWEN25_GEOMETRY, max_items=4, window_offsets=())
+    gm, ctx = trace(model, *inputs, config=unnamed)
+    assert_expected_inline(_bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 67] max_seqlen=[1024, 1024]""")
