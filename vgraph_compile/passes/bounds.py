@@ -144,21 +144,18 @@ def _least(spec: VarlenSpec) -> dict[sympy.Symbol, int]:
 def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketShape:
     spec = ctx.spec
     values: dict[sympy.Symbol, int] = dict(spec.features)
-    segments, max_seqlen = [], []
+    max_seqlen = []
     for group in spec.groups:
         capacity, longest = _group_capacity(ctx, budget, group.index, windows)
         solved = solve_for(group.segments, capacity, f"segment count of group {group.index}")
-        if solved is None:
-            capacity = int(group.segments)
-        else:
+        if solved is not None:
             values.setdefault(*solved)
-        segments.append(capacity)
         max_seqlen.append(longest)
         for index in group.max_seqlen_inputs:
             (symbol,) = [binding.symbol for binding in spec.bindings if binding.input == index]
             values[symbol] = longest
     for symbol, cap in token_caps(spec.token_rows, budget, _least(spec)).items():
-        values[symbol] = min(values.get(symbol, cap), cap)
+        values[symbol] = min(values.get(symbol, cap), cap)  # a segment symbol: also within the budget
     segments = [evaluate(group.segments, values, f"segment count of group {group.index}") for group in spec.groups]
 
     _follow_relations(ctx, values)
