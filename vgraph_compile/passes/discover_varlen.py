@@ -347,9 +347,19 @@ def index_roles(
     return roles
 
 
-def bindings(
-    inputs: Inputs, taken: dict[int, InputRole], simplify: Simplify
-) -> tuple[tuple[Binding, ...], tuple, dict[int, InputRole]]:
+@dataclass(frozen=True)
+class InputSizes:
+    """Result of ``bindings``."""
+
+    bindings: tuple[Binding, ...]
+    """Where each size symbol is read per call (first place it appears)."""
+    shapes: tuple[tuple[sympy.Expr, ...] | None, ...]
+    """Per input, its shape (None for ints and constants)."""
+    roles: dict[int, InputRole]
+    """Roles of the inputs no earlier step gave one."""
+
+
+def bindings(inputs: Inputs, taken: dict[int, InputRole], simplify: Simplify) -> InputSizes:
     """Step 4: where each size symbol is read, every input's shape, and the roles of inputs not yet given one."""
     found: dict[sympy.Symbol, Binding] = {}
     shapes, roles = [], {}
@@ -375,7 +385,7 @@ def bindings(
         role = Role.PARAMETER if index in inputs.parameters else Role.TOKENS if symbolic else Role.STATIC
         roles[index] = InputRole(index, node.name, role, symbolic)
     roles = {index: role for index, role in roles.items() if index not in taken}
-    return tuple(found.values()), tuple(shapes), roles
+    return InputSizes(tuple(found.values()), tuple(shapes), roles)
 
 
 def _view_equalities(gm: torch.fx.GraphModule, simplify: Simplify) -> Iterator[tuple[sympy.Expr, sympy.Expr]]:
@@ -579,8 +589,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
 
     groups, roles = attention_groups(found, inputs, related)
     roles.update(index_roles(gm, inputs, roles, related))
-    bound, input_shapes, other_roles = bindings(inputs, roles, simplify)
-    roles.update(other_roles)
+    sizes = bindings(inputs, roles, simplify)
+    roles.update(sizes.roles)
     _check_token_dtypes(gm, inputs, roles)
     group_of = {site: group.index for group in groups for site in group.sites}
     spec = VarlenSpec(
@@ -590,8 +600,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         ),
         groups=groups,
         token_rows=substitute(related(found[0].rows), features),
-        bindings=bound,
-        input_shapes=input_shapes,
+        bindings=sizes.bindings,
+        input_shapes=sizes.shapes,
         outputs=_outputs(gm, simplify),
         features=features,
         relations=solved,
