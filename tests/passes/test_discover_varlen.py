@@ -201,3 +201,18 @@ SCATTERING = vgraph_compile.encoder(ScatterBack(), token_budgets=(64,), max_segm
 with torch.no_grad():
     _nan = _scatter_inputs([9, 3])
     SCATTERING(torch.full_like(_nan[0], float("nan")), *_nan[1:])
+
+
+def test_offsets_end_at_the_rows_unless_the_graph_shifts_them(tiny):
+    """Offsets read as is end at their sites' rows; a CLS encoder's cu_seqlens + arange ends at an unstated count."""
+    from vgraph_compile.models.examples import cls_vit
+
+    _, gm, ctx = tiny
+    discover_varlen.run(gm, ctx)
+    (group,) = ctx.spec.groups
+    assert ctx.spec.describe_expr(group.ends_at) == "patches.shape[0]"
+    model, inputs = cls_vit()
+    gm, ctx = trace(model, *inputs)
+    discover_varlen.run(gm, ctx)
+    (group,) = ctx.spec.groups
+    assert group.ends_at is None

@@ -97,6 +97,8 @@ class FoundSite:
     lengths: bool
     """The offsets input holds segment lengths (the graph takes their cumsum)."""
     max_seqlen_inputs: frozenset[int]
+    direct: bool
+    """The site reads the offsets input itself, not offsets computed from it."""
 
 
 def _expr(value) -> sympy.Expr:
@@ -230,7 +232,8 @@ def find_sites(gm: torch.fx.GraphModule, inputs: Inputs, simplify: Simplify) -> 
         rows = simplify(example_value(site.argument(site.op.q)).shape[0])
         index = next(iter(offsets))[0]
         lengths = any(has_cumsum for _, has_cumsum in offsets)
-        found.append(FoundSite(site, rows, index, lengths, _max_seqlen_inputs(site, inputs)))
+        direct = all(site.argument(argument) in (inputs.nodes[index], None) for argument in site.op.cu_seqlens)
+        found.append(FoundSite(site, rows, index, lengths, _max_seqlen_inputs(site, inputs), direct))
         counters.sites_found += 1
     if not found:
         raise ValueError(
@@ -262,7 +265,10 @@ def attention_groups(
         for index in maxima:
             roles[index] = InputRole(index, inputs.nodes[index].name, Role.MAX_SEQLEN, (), group_index)
         sites = tuple(member.site.node.name for member in members)
-        groups.append(AttentionGroup(group_index, offsets_index, segments, tuple(maxima), sites))
+        ends = {simplify(member.rows) for member in members}
+        direct = role is Role.SEGMENT_OFFSETS and all(member.direct for member in members)
+        ends_at = ends.pop() if direct and len(ends) == 1 else None
+        groups.append(AttentionGroup(group_index, offsets_index, segments, tuple(maxima), sites, ends_at))
     return tuple(groups), roles
 
 

@@ -106,6 +106,10 @@ class AttentionGroup:
     """Segment count as an expression of the offsets input's length."""
     max_seqlen_inputs: tuple[int, ...]
     sites: tuple[str, ...]
+    ends_at: "sympy.Expr | None" = None
+    """The row count the offsets input's last entry equals (its sites' rows) when every site reads the input as
+    is; None when the graph transforms the offsets first (e.g. ``cu_seqlens + arange`` for a CLS row per image),
+    so the input ends at a count the graph does not state."""
 
 
 @dataclass(frozen=True)
