@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 from torch._dynamo.testing import normalize_gm
@@ -13,10 +15,11 @@ from vgraph_compile.passes.spec import PassContext
 
 
 def trace(
-    model, *args, config: VGraphConfig | None = None, static_widths: bool = True
+    model, *args, config: VGraphConfig | None = None, static_widths: bool = True, plain: bool = False
 ) -> tuple[torch.fx.GraphModule, PassContext]:
     """The dynamo graph and a fresh ``PassContext`` for ``model(*args)``, as the vgraph backend receives them
-    (``static_widths=False``: trailing dims left symbolic, as plain ``torch.compile(dynamic=True)`` leaves them)."""
+    (``static_widths=False``: trailing dims left symbolic, as plain ``torch.compile(dynamic=True)`` leaves them;
+    ``plain=True``: traced exactly as plain ``torch.compile(dynamic=True)`` traces, without the decorator's options)."""
     captured = {}
 
     def capture(gm, example_inputs):
@@ -25,7 +28,7 @@ def trace(
         return gm.forward
 
     torch._dynamo.reset()
-    with trace_options(args if static_widths else ()):
+    with contextlib.nullcontext() if plain else trace_options(args if static_widths else ()):
         torch.compile(model, backend=capture, dynamic=True, fullgraph=True)(*args)
     gm, inputs = captured["gm"], captured["inputs"]
     device = next(value.device for value in inputs if isinstance(value, torch.Tensor))

@@ -2,6 +2,7 @@ import importlib.metadata
 
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 import vgraph_compile
 from vgraph_compile.counters import counters
@@ -50,8 +51,10 @@ def test_static_trace_runs_eagerly_and_says_how_to_fix(caplog):
 def test_modes_and_bad_options_are_refused():
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
     inputs = pack_images([4], 12)
-    with pytest.raises(Exception, match="vgraph takes no torch.compile mode"):
+    with pytest.raises(BackendCompilerFailed, match="vgraph takes no torch.compile mode") as refused:
         torch.compile(model, backend="vgraph", mode="reduce-overhead", dynamic=True)(*inputs)
+    assert isinstance(refused.value.inner_exception, ValueError)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"unknown vgraph option\(s\) \['budgets'\]"):
+    with pytest.raises(BackendCompilerFailed, match=r"unknown vgraph option\(s\) \['budgets'\]") as refused:
         torch.compile(model, backend="vgraph", dynamic=True, options={"budgets": [4]})(*inputs)
+    assert isinstance(refused.value.inner_exception, ValueError)

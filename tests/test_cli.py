@@ -1,4 +1,8 @@
+import pytest
+
 from vgraph_compile.cli import main
+
+EXAMPLES = "vgraph_compile.models.examples"
 
 
 def test_explain_prints_table_derivation_and_roles(capsys):
@@ -20,5 +24,22 @@ def test_explain_prints_table_derivation_and_roles(capsys):
     )
     out = capsys.readouterr().out
     assert "windows = Min(floor(B/m**2), floor(((w - 1)*Min(F, floor(B/m**2)) + floor(B/m**2))/w)) = 262" in out
-    assert "input l_window_index_: gather_index dims=[0]" in out
+    assert "input window_index: gather_index dims=[0]" in out
     assert "budget 4096: segments=[262, 8] max_seqlen=[64, 4096]" in out
+
+
+@pytest.mark.parametrize(
+    "factory, tokens, bucket",
+    [
+        ("cls_vit", "tokens: cu_seqlens.shape[0] + patches.shape[0] - 1", "patches.shape[0]<=255"),
+        ("register_vit", "tokens: 4*cu_seqlens.shape[0] + patches.shape[0] - 4", "patches.shape[0]<=252"),
+    ],
+)
+def test_explain_encoders_whose_tokens_are_sums(capsys, factory, tokens, bucket):
+    """A CLS row or 4 registers per image: the rows are a sum, and patches get the budget less one image's rows."""
+    main(["explain", "--patch-size", "14", "--budgets", "256", "--max-items", "4", "--module", f"{EXAMPLES}:{factory}"])
+    lines = capsys.readouterr().out.splitlines()
+    assert tokens in lines
+    assert f"budget 256: segments=[4] max_seqlen=[256] (cu_seqlens.shape[0]<=5 max_seqlen<=256 {bucket})" in "\n".join(
+        lines
+    )

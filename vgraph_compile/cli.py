@@ -17,7 +17,7 @@ __all__ = ["main", "explain"]
 
 
 def bound_table(geometry: VisionGeometry, budgets, max_items: int, max_frames: int | None) -> str:
-    rows = [geometry.bounds(budget, max_items, max_frames) for budget in budgets]
+    rows = [geometry.bounds(budget, max_items, max_frames).as_dict() for budget in budgets]
     keys = list(rows[0])
     lines = ["  ".join(f"{key:>17}" for key in keys)]
     lines += ["  ".join(f"{bounds[key]:>17}" for key in keys) for bounds in rows]
@@ -62,11 +62,14 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
         torch.compile(encoder, backend=backend, dynamic=True, fullgraph=True)(*example_args)
     runtime = backend.runtimes[-1]
     lines = [runtime.spec.format()]
-    for bucket in runtime.ctx.buckets:
+    for bucket in runtime.buckets:
         outputs = "; ".join(
-            "[" + ", ".join(f"{r.lower}..{r.upper}" for r in dims) + "]" for dims in output_ranges(runtime.ctx, bucket)
+            "[" + ", ".join(f"{r.lower}..{r.upper}" for r in dims) + "]"
+            for dims in output_ranges(runtime.spec, bucket.shape)
         )
-        lines.append(f"{bucket.format()}; outputs {outputs}")
+        lines.append(f"{bucket.shape.format(runtime.spec)}; outputs {outputs}")
+    kernels = ", ".join(f"group {group}: {name}" for group, name in sorted(runtime.encoder.kernels.items()))
+    lines.append(f"attention kernels: {kernels}")
     return "\n".join(lines)
 
 

@@ -76,6 +76,10 @@ class VGraphConfig:
     """With a geometry: most frames (temporal patches) per call, all items together; default max_items."""
     window_bound: Literal["tight", "conservative"] = "tight"
     """With a geometry: size window segments by the tight bound, or by the token budget (vLLM before #42796)."""
+    window_offsets: tuple[str, ...] = ("cu_window_seqlens",)
+    """With a geometry: the encoder arguments holding window-attention cu_seqlens (Qwen2.5-VL's name by default).
+    Their group gets the window bound, every other group the frame bound; when the encoder has several groups
+    and names none of them here, every group is sized for both (safe, looser)."""
     budgets: tuple[int, ...] = field(init=False)
     """The resolved, sorted token budgets."""
     segments: int = field(init=False)
@@ -130,6 +134,12 @@ class VGraphConfig:
                 f"VGraphConfig.attention_backend={self.attention_backend!r} is unknown: "
                 f"choose one of {['auto', *BACKENDS]}"
             )
+        if isinstance(self.window_offsets, str):
+            raise ValueError(
+                f"VGraphConfig.window_offsets={self.window_offsets!r} is a string: pass a tuple of argument names, "
+                f"e.g. ({self.window_offsets!r},)"
+            )
+        object.__setattr__(self, "window_offsets", tuple(self.window_offsets))
         if self.window_bound not in ("tight", "conservative"):
             raise ValueError(f"VGraphConfig.window_bound={self.window_bound!r}: choose 'tight' or 'conservative'")
         if self.geometry is None and (self.max_items is not None or self.max_frames is not None):

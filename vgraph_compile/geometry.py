@@ -17,7 +17,7 @@ Each bound is reached: one strip frame, S frames of m x m, thin strips of 1 x (w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import sympy
 
@@ -41,23 +41,25 @@ _EXPRESSIONS: dict[str, sympy.Expr] = {
 
 
 @dataclass(frozen=True)
-class GeometryBounds(Mapping[str, int]):
-    """The bound of every packed size for one budget; ``explain()`` gives the sympy derivation."""
+class GeometryBounds:
+    """The bound of every packed size for one budget (fields named as ``_EXPRESSIONS``); ``explain()`` gives
+    the sympy derivation."""
 
-    sizes: tuple[tuple[str, int], ...]
-    derivation: tuple[tuple[str, str], ...]
+    tokens: int
+    merged_tokens: int
+    segments: int
+    windows: int
+    max_seqlen_full: int
+    max_seqlen_window: int
+    window_index: int
+    derivation: tuple[tuple[str, str], ...] = ()
 
-    def __getitem__(self, key: str) -> int:
-        return dict(self.sizes)[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return (key for key, _ in self.sizes)
-
-    def __len__(self) -> int:
-        return len(self.sizes)
+    def as_dict(self) -> dict[str, int]:
+        """Each bounded size by name, in derivation order."""
+        return {key: getattr(self, key) for key in _EXPRESSIONS}
 
     def explain(self) -> str:
-        return "\n".join(f"{key} = {expr} = {self[key]}" for key, expr in self.derivation)
+        return "\n".join(f"{key} = {expr} = {getattr(self, key)}" for key, expr in self.derivation)
 
 
 @dataclass(frozen=True)
@@ -102,14 +104,14 @@ class VisionGeometry:
                 f"token_budget {token_budget} holds no frame: the smallest frame has {merge * merge} patches"
             )
         substitution = {_B: token_budget, _F: frames, _M: merge, _W: self.merged_window or 1}
-        values, derivation = [], []
+        values, derivation = {}, []
         for key, expr in _EXPRESSIONS.items():
             value = int(expr.subs(substitution))
             if key in ("windows", "max_seqlen_window") and self.window_size is None:
                 value, expr = 0, sympy.Integer(0)
-            values.append((key, value))
+            values[key] = value
             derivation.append((key, str(expr)))
-        return GeometryBounds(tuple(values), tuple(derivation))
+        return GeometryBounds(**values, derivation=tuple(derivation))
 
     def frame_offsets(self, grid_thw: Sequence[Sequence[int]]) -> "torch.Tensor":
         """int32 cu_seqlens of full attention: one segment per frame (temporal patch) of every item."""

@@ -1,6 +1,11 @@
+import itertools
+
 import pytest
+import sympy
 import torch
 from expecttest import assert_expected_inline
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
@@ -11,7 +16,7 @@ from vgraph_compile.passes import bounds, discover_varlen
 def _bounds(gm, ctx):
     discover_varlen.run(gm, ctx)
     bounds.run(gm, ctx)
-    return "\n".join(bucket.format() for bucket in ctx.buckets)
+    return "\n".join(bucket.format(ctx.spec) for bucket in ctx.buckets)
 
 
 def test_bucket_sizes(tiny):
@@ -20,15 +25,15 @@ def test_bucket_sizes(tiny):
     assert_expected_inline(
         _bounds(gm, ctx),
         """\
-budget 16: segments=[4] max_seqlen=[16] (s40<=5 s7<=16 s84<=16)
-budget 64: segments=[4] max_seqlen=[64] (s40<=5 s7<=64 s84<=64)""",
+budget 16: segments=[4] max_seqlen=[16] (cu_seqlens.shape[0]<=5 max_seqlen<=16 patches.shape[0]<=16)
+budget 64: segments=[4] max_seqlen=[64] (cu_seqlens.shape[0]<=5 max_seqlen<=64 patches.shape[0]<=64)""",
     )
 
 
 def test_output_ranges_from_bound_sympy(tiny):
     _, gm, ctx = tiny
     _bounds(gm, ctx)
-    ((rows, width),) = bounds.output_ranges(ctx, ctx.buckets[1])
+    ((rows, width),) = bounds.output_ranges(ctx.spec, ctx.buckets[1])
     assert (rows.lower, rows.upper, width.lower, width.upper) == (1, 64, 8, 8)
 
 
@@ -58,7 +63,7 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
         static_widths=False,
     )
     assert_expected_inline(
-        _bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (s27==6 s42<=3 s7<=16 s77<=16)"""
+        _bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (cu.shape[0]<=3 max_seqlen<=16 x.shape[0]<=16 x.shape[1]==6)"""
     )
 
 
@@ -71,14 +76,14 @@ def _windowed(config_fields):
 
 
 def test_geometry_sizes_frames_and_windows():
-    """The window group (more segments in the trace) gets the tight window bound and max_seqlen w^2 m^2 = 64;
+    """The window group (its offsets named in window_offsets) gets the tight window bound and max_seqlen w^2 m^2 = 64;
     the frame group max_items frames and the whole budget as max_seqlen."""
     gm, ctx = _windowed({})
     assert_expected_inline(
         _bounds(gm, ctx),
         """\
-budget 1024: segments=[67, 4] max_seqlen=[64, 1024] (s11<=68 s24<=64 s40<=5 s7<=1024 s98<=256)
-budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (s11<=260 s24<=64 s40<=5 s7<=4096 s98<=1024)""",
+budget 1024: segments=[67, 4] max_seqlen=[64, 1024] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=68 max_seqlen<=1024 max_window_seqlen<=64 window_index.shape[0]<=256)
+budget 4096: segments=[259, 4] max_seqlen=[64, 4096] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=260 max_seqlen<=4096 max_window_seqlen<=64 window_index.shape[0]<=1024)""",
     )
 
 
@@ -88,6 +93,83 @@ def test_conservative_window_bound_for_the_ablation():
     assert_expected_inline(
         _bounds(gm, ctx),
         """\
-budget 1024: segments=[1024, 4] max_seqlen=[64, 1024] (s11<=1025 s24<=64 s40<=5 s7<=1024 s98<=256)
-budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (s11<=4097 s24<=64 s40<=5 s7<=4096 s98<=1024)""",
+budget 1024: segments=[1024, 4] max_seqlen=[64, 1024] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=1025 max_seqlen<=1024 max_window_seqlen<=64 window_index.shape[0]<=256)
+budget 4096: segments=[4096, 4] max_seqlen=[64, 4096] (cu_seqlens.shape[0]<=5 cu_window_seqlens.shape[0]<=4097 max_seqlen<=4096 max_window_seqlen<=64 window_index.shape[0]<=1024)""",
     )
+
+
+@given(
+    coefficients=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    constant=st.integers(-3, 3),
+    least=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+    budget=st.integers(1, 30),
+)
+def test_token_caps_are_the_largest_size_of_any_call_in_the_budget(coefficients, constant, least, budget):
+    """For rows = c + sum(k_i s_i), each cap equals the largest s_i over every call (s_j >= lo_j, rows <= budget),
+    found by brute force: no call exceeds it (sound) and one reaches it (tight)."""
+    symbols = sympy.symbols(f"s0:{len(coefficients)}", integer=True, positive=True)
+    rows = constant + sum(k * s for k, s in zip(coefficients, symbols))
+    lows = dict(zip(symbols, least))
+    calls = [
+        sizes
+        for sizes in itertools.product(*(range(lows[s], budget - constant + 1) for s in symbols))
+        if constant + sum(k * v for k, v in zip(coefficients, sizes)) <= budget
+    ]
+    if not calls:
+        with pytest.raises(ValueError, match=f"budget {budget} holds no call"):
+            bounds.token_caps(rows, budget, lows)
+        return
+    caps = bounds.token_caps(rows, budget, lows)
+    assert caps == {s: max(call[i] for call in calls) for i, s in enumerate(symbols)}
+
+
+def _cls_trace():
+    from vgraph_compile.models.examples import cls_vit
+
+    model, inputs = cls_vit()
+    config = VGraphConfig(token_budgets=(32, 128), max_segments=6, compiler="eager")
+    gm, ctx = trace(model, *inputs, config=config)
+    discover_varlen.run(gm, ctx)
+    bounds.run(gm, ctx)
+    return ctx
+
+
+CLS = _cls_trace()
+
+
+def test_cls_rows_are_a_sum_of_patches_and_images():
+    """A CLS row per image: the budget bounds patches + images; 6 segments, and patches <= budget - 1 image."""
+    assert_expected_inline(
+        CLS.spec.format().splitlines()[0] + "\n" + "\n".join(bucket.format(CLS.spec) for bucket in CLS.buckets),
+        """\
+tokens: cu_seqlens.shape[0] + patches.shape[0] - 1
+budget 32: segments=[6] max_seqlen=[32] (cu_seqlens.shape[0]<=7 max_seqlen<=32 patches.shape[0]<=31)
+budget 128: segments=[6] max_seqlen=[128] (cu_seqlens.shape[0]<=7 max_seqlen<=128 patches.shape[0]<=127)""",
+    )
+
+
+@given(lengths=st.lists(st.integers(1, 127), min_size=1, max_size=6))
+def test_every_cls_call_within_a_budget_fits_its_bucket(lengths):
+    """Any call of <= 6 images whose rows (patches + images) are within a budget fits that budget's bucket."""
+    real = {"patches.shape[0]": sum(lengths), "cu_seqlens.shape[0]": len(lengths) + 1}
+    sizes = {symbol: real[CLS.spec.describe(symbol)] for symbol in CLS.spec.token_symbols}
+    rows = sum(lengths) + len(lengths)
+    for bucket in CLS.buckets:
+        fits = all(value <= bucket.values[symbol] for symbol, value in sizes.items())
+        assert fits or rows > bucket.budget, f"{lengths} ({rows} rows) does not fit budget {bucket.budget}"
+
+
+def test_window_group_is_named_not_guessed_from_the_traced_image():
+    """Traced on one image of exactly one window (as many windows as frames), the group of cu_window_seqlens still
+    gets the window bound: the config names it; the shape of the traced call does not matter."""
+    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs, windowed_vit
+
+    model, _ = windowed_vit()
+    inputs = windowed_inputs(QWEN25_GEOMETRY, [(1, 8, 8)], 24)
+    config = VGraphConfig(token_budgets=(1024,), geometry=QWEN25_GEOMETRY, max_items=4)
+    gm, ctx = trace(model, *inputs, config=config)
+    assert inputs[1].shape == inputs[3].shape, "one frame, one window"
+    assert_expected_inline(_bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 4] max_seqlen=[64, 1024]""")
+    unnamed = VGraphConfig(token_budgets=(1024,), geometry=QWEN25_GEOMETRY, max_items=4, window_offsets=())
+    gm, ctx = trace(model, *inputs, config=unnamed)
+    assert_expected_inline(_bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 67] max_seqlen=[1024, 1024]""")

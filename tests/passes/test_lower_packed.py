@@ -3,6 +3,7 @@ padded token cu_seqlens and the real strides; checked on the graph and against e
 
 import copy
 
+import pytest
 import torch
 from expecttest import assert_expected_inline
 from hypothesis import given
@@ -49,11 +50,20 @@ def test_graph_before_and_after():
     assert op_count(lowered, VARLEN_ATTENTION.default) == 0 and op_count(lowered, PACKED_VARLEN_ATTENTION.default) == 1
 
 
-def test_other_backends_are_left_alone(tiny):
-    _, gm, ctx = tiny
-    before = gm.code
-    lower_packed.run(gm, ctx)
-    assert gm.code == before
+@pytest.mark.parametrize("backend, lowered", [("sdpa", 0), ("packed_reference", 1)])
+def test_only_packed_backends_are_lowered(backend, lowered):
+    """The same site, with its kernel chosen by select_kernel, is lowered for a packed kernel and left as is
+    otherwise."""
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    config = VGraphConfig(token_budgets=(64,), max_segments=4, attention_backend=backend)
+    gm, ctx = trace(model, *pack_images([5, 7], 12), config=config)
+    pass_manager.analyze(gm, ctx)
+    chosen = pass_manager.apply_pass("select_kernel", select_kernel.run, copy.deepcopy(gm), ctx)
+    before = chosen.code
+    after = pass_manager.apply_pass("lower_packed", lower_packed.run, chosen, ctx)
+    assert op_count(after, PACKED_VARLEN_ATTENTION.default) == lowered
+    assert op_count(after, VARLEN_ATTENTION.default) == 1 - lowered
+    assert (after.code == before) == (lowered == 0)
 
 
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6))

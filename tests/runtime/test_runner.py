@@ -81,7 +81,7 @@ def test_stats_table(model):
     "cu, message",
     [
         ([0, 5, 3, 12], "never decrease"),
-        ([0, 5, 11], "end at the token count 12"),
+        ([0, 5, 11], "end at the row count 12"),
         ([1, 5, 12], "start at 0"),
     ],
 )
@@ -241,7 +241,7 @@ def packed_model():
 
 def test_packed_offsets_input_role(packed_model):
     """The input's role is found from the op it reaches (its segments are half its length, less one)."""
-    assert "l_packed_offsets_: packed_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
+    assert "input packed_offsets: packed_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
 
 
 # At least 2 rows: with one row, eager's q.contiguous() keeps the fused view's row stride (24), so the model's own

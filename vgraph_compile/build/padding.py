@@ -56,6 +56,7 @@ RULES: dict[Role, Callable[[torch.Tensor, torch.Tensor], None]] = {
     Role.SEGMENT_OFFSETS: _repeat_last,
     Role.PACKED_OFFSETS: _repeat_last_per_half,
     Role.GATHER_INDEX: _identity,
+    Role.SCATTER_INDEX: _identity,
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.models.packed_vit import WindowedViT
+from vgraph_compile.models.packed_vit import ClsViT, RegisterViT, WindowedViT, pack_images
 
 QWEN25_GEOMETRY = VisionGeometry(patch_size=14, window_size=112)
 
@@ -30,3 +30,17 @@ def windowed_vit():
     """A small Qwen2.5-VL-shaped encoder and two images (8x12 and 4x4 patches)."""
     model = WindowedViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16).eval()
     return model, windowed_inputs(QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 24)
+
+
+def cls_vit():
+    """A ViT with a CLS row per image (tokens = patches + images) and three images of 12, 20 and 8 patches."""
+    torch.manual_seed(0)
+    model = ClsViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16).eval()
+    return model, pack_images([12, 20, 8], 24)
+
+
+def register_vit():
+    """A ViT with 4 register rows per image (tokens = patches + 4 images) and two images of 12 and 20 patches."""
+    torch.manual_seed(0)
+    model = RegisterViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16, registers=4).eval()
+    return model, pack_images([12, 20], 24)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from vgraph_compile.ops import varlen_attention
 
-__all__ = ["PackedViT", "pack_images"]
+__all__ = ["PackedViT", "WindowedViT", "ClsViT", "RegisterViT", "pack_images"]
 
 
 class Block(nn.Module):
@@ -85,3 +85,60 @@ class WindowedViT(PackedViT):
                 x = block(x, cu_window_seqlens, max_window_seqlen)
         merged = self.merger(self.norm(x).reshape(-1, self.merge * width))
         return merged[torch.argsort(window_index)]
+
+
+class ClsViT(PackedViT):
+    """PackedViT with a learned CLS row before each image's patches, scattered in the graph: the attention runs
+    over ``patches + images`` rows, with offsets ``cu_seqlens + [0, 1, ..., images]``.
+
+    ``forward(patches, cu_seqlens, max_seqlen) -> (cls [images, out_dim], patch rows [N, out_dim])``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cls = nn.Parameter(torch.randn(self.embed.out_features) * 0.02)
+
+    def forward(self, patches, cu_seqlens, max_seqlen):
+        x = self.embed(patches)
+        images = cu_seqlens.shape[0] - 1
+        shift = torch.arange(images + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        token_offsets = cu_seqlens + shift
+        index = torch.arange(patches.shape[0], dtype=cu_seqlens.dtype, device=patches.device)
+        image = torch.searchsorted(cu_seqlens[1:-1], index, right=True)
+        patch_rows = (index + image + 1).long()
+        cls_rows = token_offsets[:-1].long()
+        rows = x.new_zeros(patches.shape[0] + images, x.shape[1])
+        rows = rows.index_copy(0, patch_rows, x).index_copy(0, cls_rows, self.cls.expand(images, -1))
+        for block in self.blocks:
+            rows = block(rows, token_offsets, max_seqlen + 1)
+        out = self.merger(self.norm(rows))
+        return out[cls_rows], out[patch_rows]
+
+
+class RegisterViT(PackedViT):
+    """PackedViT with ``registers`` learned rows after each image's patches (ViT registers), scattered in the
+    graph: the attention runs over ``patches + registers * images`` rows; the registers are dropped at the end.
+
+    ``forward(patches, cu_seqlens, max_seqlen) -> patch rows [N, out_dim]``.
+    """
+
+    def __init__(self, *args, registers: int = 4, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.registers = nn.Parameter(torch.randn(registers, self.embed.out_features) * 0.02)
+
+    def forward(self, patches, cu_seqlens, max_seqlen):
+        x = self.embed(patches)
+        count = self.registers.shape[0]
+        images = cu_seqlens.shape[0] - 1
+        shift = count * torch.arange(images + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        token_offsets = cu_seqlens + shift
+        index = torch.arange(patches.shape[0], dtype=cu_seqlens.dtype, device=patches.device)
+        image = torch.searchsorted(cu_seqlens[1:-1], index, right=True)
+        patch_rows = (index + count * image).long()
+        register_rows = (token_offsets[1:, None] - count + torch.arange(count, device=patches.device)).long()
+        rows = x.new_zeros(patches.shape[0] + count * images, x.shape[1])
+        rows = rows.index_copy(0, patch_rows, x)
+        rows = rows.index_copy(0, register_rows.reshape(-1), self.registers.repeat(images, 1))
+        for block in self.blocks:
+            rows = block(rows, token_offsets, max_seqlen + count)
+        return self.merger(self.norm(rows))[patch_rows]

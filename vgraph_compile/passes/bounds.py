@@ -1,19 +1,27 @@
 """Analysis: the static size of every symbol in every bucket, checked against the trace's own guards.
 
-Invariant: never mutates the graph; stores one ``BucketShape`` per budget in ``ctx.buckets``.
+Invariant: never mutates the graph; stores one ``BucketShape`` per budget in ``ctx.buckets``. A call fits a
+bucket when each of its sizes is at most the bucket's; every call whose token rows are at most the budget and
+whose segments fit the group capacities fits the bucket of that budget (``tests/passes/test_bounds.py`` proves
+it over generated calls).
 
 Symbols covered:
-- the token symbol: solved from ``token_rows == budget``;
-- each attention group's segment symbol: solved from ``segments == min(max_segments, budget)``; with a
-  ``VisionGeometry``, from its proven frame bound, or its window bound for the window group (the group whose
-  traced call had more segments; when the trace cannot tell, both groups get the larger, always safe, sizes);
+- each attention group's segment symbol: solved from ``segments == capacity``, the capacity being
+  ``min(max_segments, budget)``, or with a ``VisionGeometry`` its proven frame bound, or its window bound for the
+  groups whose offsets input ``VGraphConfig.window_offsets`` names (with no group named, every group gets the
+  larger sizes of both, always safe);
+- the token rows ``c + sum(k_i s_i)`` (one symbol, or a sum such as patches + one CLS row per image): each
+  ``s_i`` at most ``(budget - c - sum_{j != i} k_j lo_j) / k_i`` with ``lo_j`` the least value of ``s_j`` in a
+  call (a segment count: one segment; any other size: 0), and a segment symbol also at most its capacity;
+- a symbol the graph ties to others (``spec.relations``, e.g. tokens = 4 n): its relation's value;
 - MAX_SEQLEN inputs: the group's bound: ``budget`` (a segment can hold every token), or the geometry's;
 - a GATHER_INDEX length: the bucket size of the dim it indexes (a permutation is that long, padded by identity);
 - a symbol a guard equates to assigned ones (``Eq(s44, s99)``): that value;
 - feature widths and any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens):
   fixed at its traced value, never bounded by a guess; a call with another value fits no bucket (eager).
 Every guard dynamo recorded in the ShapeEnv must hold at the bucket's sizes, or the budget is refused with the
-guard that failed (e.g. a reshape needing a multiple of 4). ``bound_sympy`` gives each output dim's range.
+guard that failed (e.g. a reshape needing a multiple of 4); a guard pinning a token symbol to a constant means
+the trace serves one size only (``StaticTokensError``). ``bound_sympy`` gives each output dim's range.
 """
 
 from __future__ import annotations
@@ -24,10 +32,10 @@ import sympy
 import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from vgraph_compile.passes.fx_utils import traced_values
-from vgraph_compile.passes.spec import BucketShape, PassContext
+from vgraph_compile.passes.fx_utils import evaluate, substitute, traced_values
+from vgraph_compile.passes.spec import BucketShape, PassContext, StaticTokensError, VarlenSpec
 
-__all__ = ["run", "solve_for", "window_groups"]
+__all__ = ["run", "solve_for", "window_groups", "token_caps", "output_ranges", "check_token_guards"]
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +54,40 @@ def solve_for(expr: sympy.Expr, target: int, what: str) -> tuple[sympy.Symbol, i
     return symbol, int(min(solutions))
 
 
+def token_caps(rows: sympy.Expr, budget: int, least: dict[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
+    """The largest value of each symbol of ``rows = c + sum(k_i s_i)`` (``k_i > 0``) over the calls with
+    ``rows <= budget`` and every ``s_j >= least.get(s_j, 0)``."""
+    poly = sympy.Poly(rows, *sorted(rows.free_symbols, key=str))
+    coefficients = {symbol: int(poly.coeff_monomial(symbol)) for symbol in poly.gens}
+    constant = int(poly.coeff_monomial(1))
+    floor_rows = constant + sum(k * least.get(symbol, 0) for symbol, k in coefficients.items())
+    caps = {}
+    for symbol, k in coefficients.items():
+        caps[symbol] = (budget - floor_rows + k * least.get(symbol, 0)) // k
+        if caps[symbol] < least.get(symbol, 0):
+            raise ValueError(
+                f"budget {budget} holds no call: the token rows are at least {floor_rows} "
+                f"(one segment and no other rows); choose budgets of at least {floor_rows}"
+            )
+    return caps
+
+
 def window_groups(ctx: PassContext) -> set[int] | None:
-    """Indices of the window-attention groups: those whose traced call had more segments than the fewest;
-    None when the trace cannot tell frames from windows (several groups with equal counts)."""
-    groups = ctx.spec.groups
-    if len(groups) == 1 or ctx.config.geometry.window_size is None:
+    """Indices of the window-attention groups: those whose offsets input ``config.window_offsets`` names;
+    None when there are several groups and none is named (every group is then sized for frames and windows)."""
+    groups, config = ctx.spec.groups, ctx.config
+    if len(groups) == 1 or config.geometry is None or config.geometry.window_size is None:
         return set()
-    counts = [
-        int(group.segments.xreplace({s: sympy.Integer(v) for s, v in traced_values(ctx.shape_env).items()}))
-        for group in groups
-    ]
-    if len(set(counts)) == 1:
-        log.info("traced call has equal frame and window counts: sizing every group for both")
+    named = {name for name in config.window_offsets}
+    windows = {group.index for group in groups if ctx.spec.describe_input(group.offsets_input) in named}
+    if not windows:
+        log.info(
+            "no attention group's offsets input is named in window_offsets %s: sizing every group for both "
+            "frames and windows (name the window cu_seqlens argument there for tighter buckets)",
+            list(config.window_offsets),
+        )
         return None
-    return {group.index for group, count in zip(groups, counts) if count > min(counts)}
+    return windows
 
 
 def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int] | None) -> tuple[int, int]:
@@ -68,96 +96,121 @@ def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int]
     if config.geometry is None:
         return min(config.segments, budget), budget
     sizes = config.geometry.bounds(budget, config.max_items, config.max_frames)
-    window_count = budget if config.window_bound == "conservative" else sizes["windows"]
-    frames = (sizes["segments"], sizes["max_seqlen_full"])
-    window = (window_count, sizes["max_seqlen_window"])
+    window_count = budget if config.window_bound == "conservative" else sizes.windows
+    frames = (sizes.segments, sizes.max_seqlen_full)
+    window = (window_count, sizes.max_seqlen_window)
     if windows is None:
         return max(frames[0], window[0]), frames[1]
     return window if group in windows else frames
 
 
-def _follow_guards(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
-    """Sizes the trace's guards pin to assigned ones (``Eq(s44, (s59*s99)//1176)``), until nothing changes."""
+def _guards(ctx: PassContext):
+    for guard in ctx.shape_env.guards:
+        yield guard.expr, sympy.sympify(ctx.shape_env.replace(guard.expr))
+
+
+def _follow_relations(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
+    """Sizes the graph's relations or the trace's guards pin to assigned ones, until nothing changes."""
+    equalities = [(symbol, expr) for symbol, expr in ctx.spec.relations.items()]
+    for _, expr in _guards(ctx):
+        if isinstance(expr, sympy.Eq):
+            equalities += [(expr.lhs, expr.rhs), (expr.rhs, expr.lhs)]
     changed = True
     while changed:
         changed = False
-        for guard in ctx.shape_env.guards:
-            expr = sympy.sympify(ctx.shape_env.replace(guard.expr))
-            if not isinstance(expr, sympy.Eq):
-                continue
-            for unknown, known in ((expr.lhs, expr.rhs), (expr.rhs, expr.lhs)):
-                if (
-                    isinstance(unknown, sympy.Symbol)
-                    and unknown not in values
-                    and known.free_symbols
-                    and known.free_symbols <= set(values)
-                ):
-                    value = known.xreplace({s: sympy.Integer(v) for s, v in values.items()})
-                    if value.is_Integer:
-                        values[unknown] = int(value)
-                        changed = True
+        for unknown, known in equalities:
+            if (
+                isinstance(unknown, sympy.Symbol)
+                and unknown not in values
+                and known.free_symbols
+                and known.free_symbols <= set(values)
+            ):
+                value = substitute(known, values)
+                if value.is_Integer:
+                    values[unknown] = int(value)
+                    changed = True
 
 
-def _bucket(ctx: PassContext, budget: int) -> BucketShape:
+def _least(spec: VarlenSpec) -> dict[sympy.Symbol, int]:
+    """The least value of each segment symbol in a call: the one that makes one segment."""
+    least = {}
+    for group in spec.groups:
+        solved = solve_for(group.segments, 1, f"segment count of group {group.index}")
+        if solved is not None:
+            least[solved[0]] = solved[1]
+    return least
+
+
+def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketShape:
     spec = ctx.spec
     values: dict[sympy.Symbol, int] = dict(spec.features)
-    solved = solve_for(spec.token_rows, budget, f"token rows for budget {budget}")
-    values[solved[0]] = solved[1]
-    segments, max_seqlen = [], []
-    windows = window_groups(ctx) if ctx.config.geometry is not None else set()
+    max_seqlen = []
     for group in spec.groups:
         capacity, longest = _group_capacity(ctx, budget, group.index, windows)
         solved = solve_for(group.segments, capacity, f"segment count of group {group.index}")
-        if solved is None:
-            capacity = int(group.segments)
-        else:
+        if solved is not None:
             values.setdefault(*solved)
-        segments.append(capacity)
         max_seqlen.append(longest)
         for index in group.max_seqlen_inputs:
-            (symbol,) = [binding[0] for binding in spec.bindings if binding[1] == index]
+            (symbol,) = [binding.symbol for binding in spec.bindings if binding.input == index]
             values[symbol] = longest
+    for symbol, cap in token_caps(spec.token_rows, budget, _least(spec)).items():
+        values[symbol] = min(values.get(symbol, cap), cap)  # a segment symbol: also within the budget
+    segments = [evaluate(group.segments, values, f"segment count of group {group.index}") for group in spec.groups]
 
-    _follow_guards(ctx, values)
+    _follow_relations(ctx, values)
     for role in spec.inputs:
         if role.indexed is not None:
             length = spec.input_shapes[role.index][0]
-            capacity = int(role.indexed.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+            capacity = evaluate(role.indexed, values, f"the dim {role.name} indexes")
             solved = solve_for(length, capacity, f"length of gather index {role.name}")
             if solved is not None:
                 values.setdefault(*solved)
 
-    symbols = set()
+    symbols = {binding.symbol for binding in spec.bindings}
     for shape in spec.input_shapes:
         for size in shape or ():
             symbols |= size.free_symbols
-    symbols |= {binding[0] for binding in spec.bindings}
-    _follow_guards(ctx, values)
+    _follow_relations(ctx, values)
     fixed = frozenset(symbols - set(values)) | frozenset(spec.features)
     hints = traced_values(ctx.shape_env)
     for symbol in fixed:
         values[symbol] = int(hints[symbol])
-    substitution = {symbol: sympy.Integer(value) for symbol, value in values.items()}
-    for guard in ctx.shape_env.guards:
-        expr = sympy.sympify(ctx.shape_env.replace(guard.expr))
-        if expr.free_symbols - set(substitution) - set(ctx.shape_env.replacements):
+    for traced, expr in _guards(ctx):
+        if expr.free_symbols - set(values) - set(ctx.shape_env.replacements):
             continue
-        if expr.xreplace(substitution) != sympy.true:
+        if substitute(expr, values) != sympy.true:
+            described = ", ".join(f"{spec.describe(s)}={v}" for s, v in sorted(values.items(), key=str))
             raise ValueError(
-                f"budget {budget} breaks the traced constraint {guard.expr} (with {values}): the encoder "
-                "cannot run at that size; pick budgets that satisfy it (e.g. multiples of the merge size)"
+                f"budget {budget} breaks the traced constraint {spec.describe_expr(expr)} (with {described}): the "
+                "encoder cannot run at that size; pick budgets that satisfy it (e.g. multiples of the merge size)"
             )
     return BucketShape(budget, values, tuple(segments), tuple(max_seqlen), fixed)
 
 
-def output_ranges(ctx: PassContext, bucket: BucketShape) -> list[list[ValueRanges]]:
+def check_token_guards(ctx: PassContext) -> None:
+    """Refuse a trace whose guards pin a token symbol to a constant: it serves that size only."""
+    tokens = set(ctx.spec.token_symbols)
+    for _, expr in _guards(ctx):
+        if isinstance(expr, sympy.Eq) and (
+            (expr.lhs in tokens and expr.rhs.is_Integer) or (expr.rhs in tokens and expr.lhs.is_Integer)
+        ):
+            raise StaticTokensError(
+                f"the trace pinned the token count with the guard {ctx.spec.describe_expr(expr)} (a first call of "
+                "one token takes some paths that only hold at that size); the next call of another size retraces"
+            )
+
+
+def output_ranges(spec: VarlenSpec, bucket: BucketShape) -> list[list[ValueRanges]]:
     """Range of every output dim over the calls this bucket serves (``bound_sympy`` over [1, value])."""
     ranges = {symbol: ValueRanges(1, value) for symbol, value in bucket.values.items()}
-    return [[bound_sympy(size, ranges) for size in shape] for shape in ctx.spec.outputs if isinstance(shape, tuple)]
+    return [[bound_sympy(size, ranges) for size in shape] for shape in spec.outputs if isinstance(shape, tuple)]
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    ctx.buckets = tuple(_bucket(ctx, budget) for budget in ctx.config.budgets)
+    check_token_guards(ctx)
+    windows = window_groups(ctx) if ctx.config.geometry is not None else set()
+    ctx.buckets = tuple(_bucket(ctx, budget, windows) for budget in ctx.config.budgets)
     unrelated = ctx.buckets[0].fixed - set(ctx.spec.features)
     if unrelated:
         log.warning(
@@ -166,5 +219,5 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             sorted(ctx.spec.describe(symbol) for symbol in unrelated),
         )
     for bucket in ctx.buckets:
-        log.debug("%s", bucket.format())
+        log.debug("%s", bucket.format(ctx.spec))
     return gm

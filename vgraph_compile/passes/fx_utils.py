@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 import torch.fx
+
+if TYPE_CHECKING:
+    import sympy
 
 
 def op_name(node: torch.fx.Node) -> str | None:
@@ -73,5 +75,16 @@ def ancestors(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
         stack.extend(current.all_input_nodes)
 
 
-def is_getitem(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
+def substitute(expr: "sympy.Expr", values: Mapping["sympy.Symbol", int]) -> "sympy.Expr":
+    """``expr`` with each symbol of ``values`` replaced by its integer value (others left symbolic)."""
+    import sympy
+
+    return sympy.sympify(expr).xreplace({symbol: sympy.Integer(value) for symbol, value in values.items()})
+
+
+def evaluate(expr: "sympy.Expr", values: Mapping["sympy.Symbol", int], what: str) -> int:
+    """``expr`` at ``values`` as an int; a ValueError naming ``what`` when a symbol is left unassigned."""
+    value = substitute(expr, values)
+    if not value.is_number:
+        raise ValueError(f"{what} is {expr}: {sorted(map(str, value.free_symbols))} have no value")
+    return int(value)

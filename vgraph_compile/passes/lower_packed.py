@@ -1,8 +1,8 @@
 """Rewrite: sites whose kernel reads packed element offsets (FlashInfer's cuDNN prefill) get them built in the graph.
 
-Invariant: applies only to ``vgraph::varlen_attention`` sites whose ``backend`` is a packed backend (others are
-left alone). The packed buffer is computed from the site's token ``cu_seqlens`` inside the graph, with the real
-token strides: ``[cu * heads * head_dim | cu * v.stride(0)]``. Since the runtime pads ``cu_seqlens`` by repeating
+Invariant: applies only to sites of ops that lower to packed offsets (``VarlenOp.lowers_to_packed``:
+``vgraph::varlen_attention``) whose ``backend`` is a packed backend (others are left alone). The packed buffer is
+computed from the site's token ``cu_seqlens`` inside the graph, with the real token strides: ``[cu * heads * head_dim | cu * v.stride(0)]``. Since the runtime pads ``cu_seqlens`` by repeating
 its last offset, each half is padded by its own last value by construction; no packed buffer is ever padded as one
 flat sequence. q and k are made contiguous so that one Q/K/O half describes all three.
 
@@ -26,7 +26,8 @@ import torch.fx
 from vgraph_compile import backends
 from vgraph_compile.counters import counters
 from vgraph_compile.ops import PACKED_VARLEN_ATTENTION
-from vgraph_compile.passes.fx_utils import example_value, get_argument, op_name
+from vgraph_compile.passes.fx_utils import example_value
+from vgraph_compile.passes.sites import Site, varlen_sites
 from vgraph_compile.passes.spec import PassContext
 
 __all__ = ["run"]
@@ -34,21 +35,22 @@ __all__ = ["run"]
 log = logging.getLogger(__name__)
 
 
-def _packed_backend(node: torch.fx.Node) -> str | None:
-    if op_name(node) != "vgraph::varlen_attention":
+def _packed_backend(site: Site) -> str | None:
+    if not site.op.lowers_to_packed:
         return None
-    name = get_argument(node, "backend")
+    name = site.argument(site.op.backend)
     return name if name in backends.BACKENDS and backends.BACKENDS[name].packed else None
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     lowered = 0
-    for node in list(graph.nodes):
-        backend = _packed_backend(node) if node.op == "call_function" else None
+    for site in list(varlen_sites(gm)):
+        backend = _packed_backend(site)
         if backend is None:
             continue
-        q, k, v, cu = (get_argument(node, name) for name in ("q", "k", "v", "cu_seqlens"))
+        node = site.node
+        q, k, v, cu = (site.argument(name) for name in ("q", "k", "v", "cu_seqlens"))
         fake_q, fake_v = example_value(q), example_value(v)
         row, v_row = fake_q.shape[1] * fake_q.shape[2], fake_v.stride(0)
         if not isinstance(row, int) or not isinstance(v_row, int):
@@ -63,7 +65,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             packed = graph.call_function(torch.cat, ([qko, v_offsets],))
             lowered_node = graph.call_function(
                 PACKED_VARLEN_ATTENTION.default,
-                (q_rows, k_rows, v, packed, get_argument(node, "max_seqlen"), get_argument(node, "scale"), backend),
+                (q_rows, k_rows, v, packed, site.argument("max_seqlen"), site.argument("scale"), backend),
             )
         lowered_node.meta.update(node.meta)
         node.replace_all_uses_with(lowered_node)

@@ -23,8 +23,8 @@ import torch.fx
 
 from vgraph_compile import backends
 from vgraph_compile.counters import counters
-from vgraph_compile.passes.discover_varlen import VARLEN_OPS, VarlenOp
-from vgraph_compile.passes.fx_utils import example_value, get_argument, op_name, set_argument
+from vgraph_compile.passes.fx_utils import example_value, get_argument, set_argument
+from vgraph_compile.passes.sites import Site, varlen_sites
 from vgraph_compile.passes.spec import PassContext
 
 __all__ = ["run", "kernels_used", "kernels_by_group"]
@@ -32,12 +32,9 @@ __all__ = ["run", "kernels_used", "kernels_by_group"]
 log = logging.getLogger(__name__)
 
 
-def _kernel_sites(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, VarlenOp]]:
+def _kernel_sites(gm: torch.fx.GraphModule) -> Iterator[Site]:
     """Sites of ops that take a ``backend`` argument."""
-    for node in gm.graph.nodes:
-        op = VARLEN_OPS.get(op_name(node)) if node.op == "call_function" else None
-        if op is not None and op.backend is not None:
-            yield node, op
+    return (site for site in varlen_sites(gm) if site.op.backend is not None)
 
 
 def kernels_used(gm: torch.fx.GraphModule) -> set[tuple[str, torch.device]]:

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 if TYPE_CHECKING:
     import sympy
     import torch
 
     from vgraph_compile.config import VGraphConfig
+
+
+class StaticTokensError(ValueError):
+    """The trace fixed the attention's row count: it serves one token count only."""
+
+
+def user_name(name: str) -> str:
+    """A graph input's name as the user wrote it (dynamo's ``l_x_`` -> ``x``)."""
+    return name[2:-1] if name.startswith("l_") and name.endswith("_") else name
 
 
 class Role(str, enum.Enum):
@@ -30,6 +39,10 @@ class Role(str, enum.Enum):
     GATHER_INDEX = "gather_index"
     """Integer index into a token-sized dim (e.g. a window permutation): padded with the identity, so padded
     rows only ever gather padded rows."""
+    SCATTER_INDEX = "scatter_index"
+    """Integer index that writes rows (``index_copy``, ``index_put``, ``scatter``, ``x[index] = ...``) into a dim
+    exactly as long as itself (e.g. an inverse window permutation): padded with the identity, so each padded entry
+    writes a padding row (the rows past the real count), never a real row."""
     TABLE_INDEX = "table_index"
     """Integer index into a fixed-size table (e.g. a position embedding): padded with 0, a valid entry."""
     MAX_SEQLEN = "max_seqlen"
@@ -52,15 +65,24 @@ class InputRole:
     group: int | None = None
     """Attention group of SEGMENT_OFFSETS / SEGMENT_LENGTHS / MAX_SEQLEN inputs."""
     indexed: "sympy.Expr | None" = None
-    """For GATHER_INDEX: size of the dim it indexes, which bounds its length."""
+    """For GATHER_INDEX / SCATTER_INDEX: size of the dim it reads or writes, which bounds its length."""
 
     def format(self) -> str:
-        parts = [f"{self.name}: {self.role.value}"]
+        parts = [f"{user_name(self.name)}: {self.role.value}"]
         if self.dims:
             parts.append(f"dims={list(self.dims)}")
         if self.group is not None:
             parts.append(f"group={self.group}")
         return " ".join(parts)
+
+
+class Binding(NamedTuple):
+    """Where a size symbol's value is read per call: ``inputs[input].shape[dim]``, or the int ``inputs[input]``
+    when ``dim`` is None. A tuple ``(symbol, input, dim)``, so ``for symbol, index, dim in spec.bindings`` reads it."""
+
+    symbol: "sympy.Symbol"
+    input: int
+    dim: int | None
 
 
 @dataclass(frozen=True)
@@ -84,6 +106,10 @@ class AttentionGroup:
     """Segment count as an expression of the offsets input's length."""
     max_seqlen_inputs: tuple[int, ...]
     sites: tuple[str, ...]
+    ends_at: "sympy.Expr | None" = None
+    """The row count the offsets input's last entry equals (its sites' rows) when every site reads the input as
+    is; None when the graph transforms the offsets first (e.g. ``cu_seqlens + arange`` for a CLS row per image),
+    so the input ends at a count the graph does not state."""
 
 
 @dataclass(frozen=True)
@@ -94,15 +120,24 @@ class VarlenSpec:
     sites: tuple[VarlenSite, ...]
     groups: tuple[AttentionGroup, ...]
     token_rows: "sympy.Expr"
-    token_symbol: "sympy.Symbol"
-    bindings: tuple[tuple["sympy.Symbol", int, int | None], ...]
-    """(symbol, input index, dim or None for an int input): where each free symbol's value is read per call."""
+    """Packed rows of the first site, with every relation applied: a constant plus positive multiples of symbols
+    (e.g. ``patches + images`` with a CLS row per image); the budgets bound it."""
+    bindings: tuple[Binding, ...]
+    """Where each free symbol's value is read per call."""
     input_shapes: tuple[tuple["sympy.Expr | int", ...] | None, ...]
     """Per input, its shape with replacements applied (None for ints)."""
     outputs: tuple[tuple["sympy.Expr | int", ...] | "sympy.Expr | None", ...]
     """Per output, its shape (tensors), its value expression (ints), or None (other constants)."""
     features: Mapping["sympy.Symbol", int] = field(default_factory=dict)
     """Feature widths ``dynamic=True`` left symbolic, at their traced values (pinned in every bucket)."""
+    relations: Mapping["sympy.Symbol", "sympy.Expr"] = field(default_factory=dict)
+    """Sizes the graph ties to others (a reshape of ``[n, 4, d]`` into ``[tokens, d]``: tokens = 4 n): each
+    symbol here equals its expression in the remaining ones, in every call the graph can run."""
+
+    @property
+    def token_symbols(self) -> tuple["sympy.Symbol", ...]:
+        """The symbols the token rows are a sum of, sorted by name."""
+        return tuple(sorted(self.token_rows.free_symbols, key=str))
 
     def describe(self, symbol: "sympy.Symbol") -> str:
         """A size symbol in the user's terms: ``patches.shape[0]`` or ``max_seqlen`` (dynamo's ``l_x_`` -> ``x``)."""
@@ -111,9 +146,19 @@ class VarlenSpec:
         if not places:
             return str(symbol)
         index, dim = places[0]
-        name = self.inputs[index].name
-        name = name[2:-1] if name.startswith("l_") and name.endswith("_") else name
+        name = user_name(self.inputs[index].name)
         return name if dim is None else f"{name}.shape[{dim}]"
+
+    def describe_input(self, index: int) -> str:
+        """Input ``index`` by the user's argument name."""
+        return user_name(self.inputs[index].name)
+
+    def describe_expr(self, expr: "sympy.Expr") -> str:
+        """An expression of size symbols in the user's terms (``4*window_index.shape[0]``)."""
+        import sympy
+
+        names = {symbol: sympy.Symbol(self.describe(symbol)) for symbol in expr.free_symbols}
+        return str(expr.xreplace(names))
 
     def _all_bindings(self):
         yield from self.bindings
@@ -123,11 +168,19 @@ class VarlenSpec:
                     yield size, index, dim
 
     def format(self) -> str:
-        lines = [f"tokens: {self.token_rows} (symbol {self.token_symbol})"]
+        """The spec in the user's terms: input names and dims, never dynamo's symbol ids."""
+        lines = [f"tokens: {self.describe_expr(self.token_rows)}"]
+        for symbol, expr in sorted(self.relations.items(), key=lambda item: self.describe(item[0])):
+            lines.append(f"relation: {self.describe(symbol)} == {self.describe_expr(expr)}")
         for group in self.groups:
-            offsets = self.inputs[group.offsets_input].name
-            lines.append(f"group {group.index}: offsets={offsets} segments={group.segments} sites={list(group.sites)}")
-        lines += [f"input {role.format()}" for role in self.inputs if role.role is not Role.PARAMETER]
+            offsets = user_name(self.inputs[group.offsets_input].name)
+            segments = self.describe_expr(group.segments)
+            lines.append(f"group {group.index}: offsets={offsets} segments={segments} sites={list(group.sites)}")
+        for role in self.inputs:
+            if role.role is Role.SIZE:
+                continue  # dynamo's lifted sizes: shown as the input dims they are
+            if role.role is not Role.PARAMETER:
+                lines.append(f"input {role.format()}")
         state = sum(role.role is Role.PARAMETER for role in self.inputs)
         lines.append(f"inputs: {state} parameters and module state (used in place)")
         return "\n".join(lines)
@@ -146,10 +199,11 @@ class BucketShape:
     fixed: frozenset["sympy.Symbol"] = frozenset()
     """Symbols no budget bounds, fixed at their traced value: a call must match them exactly."""
 
-    def format(self) -> str:
+    def format(self, spec: VarlenSpec | None = None) -> str:
+        """One line; with ``spec``, sizes by the user's names (``patches.shape[0]<=64``), else by symbol."""
+        name = spec.describe if spec is not None else str
         values = " ".join(
-            f"{symbol}{'==' if symbol in self.fixed else '<='}{value}"
-            for symbol, value in sorted(self.values.items(), key=str)
+            sorted(f"{name(s)}{'==' if s in self.fixed else '<='}{value}" for s, value in self.values.items())
         )
         return f"budget {self.budget}: segments={list(self.segments)} max_seqlen={list(self.max_seqlen)} ({values})"
 

@@ -50,6 +50,8 @@ class _Plan:
 
     sizes: dict[sympy.Symbol, int]
     tokens: int
+    ends: dict[int, int]
+    """Per offsets input (by index): the row count its last entry must equal, where the graph states one."""
     bucket: "Bucket | None"
     narrow: tuple[tuple[tuple[int, int], ...] | int | None, ...]
     """Per output: (dim, real size) pairs to narrow a tensor to, its value for an int output, or None."""
@@ -158,7 +160,12 @@ class VGraphRuntime:
                 narrow.append(int(shape.xreplace(substitution)))
             else:
                 narrow.append(None)
-        plan = _Plan(sizes, self.tokens(substitution), self._choose(sizes), tuple(narrow))
+        ends = {
+            group.offsets_input: int(group.ends_at.xreplace(substitution))
+            for group in self.spec.groups
+            if group.ends_at is not None
+        }
+        plan = _Plan(sizes, self.tokens(substitution), ends, self._choose(sizes), tuple(narrow))
         if len(self._plans) >= _PLAN_CACHE_SIZE:
             self._plans.clear()
         self._plans[key] = plan
@@ -184,7 +191,7 @@ class VGraphRuntime:
                     "(only the packed dims vary between calls)"
                 )
 
-    def _validate(self, args: Sequence[Any], tokens: int) -> None:
+    def _validate(self, args: Sequence[Any], plan: _Plan) -> None:
         self._check_contract(args)
         for role in self._offsets:
             offsets = args[role.index]
@@ -196,10 +203,11 @@ class VGraphRuntime:
             if not self.config.check_values:
                 continue
             values = offsets.tolist()
-            if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != tokens:
+            end = plan.ends.get(role.index, values[-1])
+            if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != end:
                 raise ValueError(
-                    f"{user_name(role.name)}: cu_seqlens must start at 0, never decrease and end at the token "
-                    f"count {tokens}; got {values[:8]}{'...' if len(values) > 8 else ''} ending at {values[-1]}. "
+                    f"{user_name(role.name)}: cu_seqlens must start at 0, never decrease and end at the row "
+                    f"count {end}; got {values[:8]}{'...' if len(values) > 8 else ''} ending at {values[-1]}. "
                     "Build it as F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)"
                 )
             longest = max(b - a for a, b in zip(values, values[1:]))
@@ -283,7 +291,7 @@ class VGraphRuntime:
 
     def __call__(self, *args: Any) -> list[Any]:
         plan = self._plan(args)
-        self._validate(args, plan.tokens)
+        self._validate(args, plan)
         grad = torch.is_grad_enabled()
         if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return self._miss("autograd is enabled (vgraph graphs are inference-only: use torch.no_grad())", args)
