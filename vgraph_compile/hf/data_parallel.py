@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Assignment", "LoadStats", "REFUSED", "assign", "gather", "grid_hash", "same_batch"]
+__all__ = ["REFUSED", "Assignment", "LoadStats", "assign", "gather", "grid_hash", "same_batch"]
 
 Rows = tuple[int, int, int]
 
