@@ -16,6 +16,7 @@ import torch
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
+from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.packing import Batch, pack
 from vgraph_compile.hf.towers import Grid, TowerKind, hidden_width, kind_of
@@ -34,6 +35,14 @@ _METADATA_KEYS = (
     "interp_indices",
     "interp_weights",
 )
+
+
+def _row_starts(grid) -> list[int]:
+    """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
+    starts = [0]
+    for t, h, w in grid:
+        starts.append(starts[-1] + t * h * w)
+    return starts
 
 
 class _TowerCall(torch.nn.Module):
@@ -89,9 +98,19 @@ class CompiledVisionTower(torch.nn.Module):
     tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
     lists) are read from the tower. Calls with grad enabled, in training mode, or with keywords other than
     ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention.
+
+    With a ``process_group``, every rank of it must call with the same batch: each encodes its share of the items
+    and every rank returns the whole output (``vgraph_compile.hf.data_parallel``). Set it to None to encode
+    whole batches on this rank again.
     """
 
-    def __init__(self, tower: torch.nn.Module, config: VGraphConfig, metadata_cache_size: int = 1024) -> None:
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        config: VGraphConfig,
+        metadata_cache_size: int = 1024,
+        process_group: Any = None,
+    ) -> None:
         super().__init__()
         self.__dict__["tower"] = tower  # its tables, not the tower itself, are this module's: names stay the same
         self._parameters = tower._parameters
@@ -111,6 +130,9 @@ class CompiledVisionTower(torch.nn.Module):
         self.out_width = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
         self.split_calls = 0
         self.stock_calls = 0
+        self.process_group = process_group
+        """A ``torch.distributed`` process group to encode over, data parallel; None: this rank alone."""
+        self.load_stats = data_parallel.LoadStats()
         self._compile()
 
     def _compile(self) -> None:
@@ -146,7 +168,12 @@ class CompiledVisionTower(torch.nn.Module):
         return self.compiled.vgraph.runtimes
 
     def stats_table(self) -> str:
-        return "\n".join(runtime.stats_table() for runtime in self.runtimes)
+        """Each runtime's buckets; with data-parallel calls, each rank's load and the imbalance too."""
+        tables = [runtime.stats_table() for runtime in self.runtimes]
+        if self.load_stats.calls:
+            rank = torch.distributed.get_rank(self.process_group) if self.process_group is not None else "-"
+            tables.append(self.load_stats.table(rank))
+        return "\n".join(tables)
 
     # -- checks ------------------------------------------------------------------------------------------------
     def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -231,20 +258,61 @@ class CompiledVisionTower(torch.nn.Module):
         return out if return_dict else out.to_tuple()
 
     def _serve(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        if self.process_group is not None:
+            return self._serve_data_parallel(pixel_values, grid_thw)
         grid = self._check(pixel_values, grid_thw)
         self.warmup()
+        return self._output(*self._encode(pixel_values, grid))
+
+    def _encode(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]):
+        """(pooler_output, last_hidden_state, deepstack levels) of the checked items, on this rank."""
         if not grid:
             empty = pixel_values.new_empty(0, self.out_width)
             hidden = pixel_values.new_empty(0, hidden_width(self.tower.config))
-            return self._output(empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ())))
+            return empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ()))
         config = self.vgraph_config
         batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
         with self._routing():
             if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
                 outputs = self._run(pixel_values, tuple(grid))
-                return self._output(outputs[0], outputs[1], outputs[2:])
+                return outputs[0], outputs[1], list(outputs[2:])
             self.split_calls += 1
             return self._split(pixel_values, grid, batches)
+
+    def _serve_data_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """Every rank checks that all got the same batch, encodes its share, and gathers everyone's outputs."""
+        group = self.process_group
+        try:
+            grid, refused = self._check(pixel_values, grid_thw), None
+        except ValueError as error:
+            grid, refused = [], error
+        key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
+        agreed = data_parallel.same_batch(key, group, next(self.tower.parameters()).device)
+        if refused:
+            raise refused
+        if not agreed:
+            raise ValueError(
+                "the ranks of process_group were called with different grid_thw (or another rank refused its "
+                "input): every rank must pass the same full batch (pixel_values, grid_thw), as tensor-parallel "
+                "ranks receive the same multimodal inputs"
+            )
+        self.warmup()
+        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        assignment = data_parallel.assign(grid, ranks)
+        self.load_stats.record(assignment)
+        if not grid:
+            return self._output(*self._encode(pixel_values, grid))
+        mine = assignment.items[rank]
+        starts = _row_starts(grid)
+        rows = [pixel_values[starts[i] : starts[i + 1]] for i in mine]
+        local = self._encode(torch.cat(rows) if rows else pixel_values[:0], [grid[i] for i in mine])
+        pooled, hidden, deepstack = local
+        merge = self.geometry.spatial_merge_size**2
+        units = [(starts[i + 1] - starts[i]) // merge for i in range(len(grid))]
+        fields = data_parallel.gather(
+            [pooled, hidden, *deepstack], [1, merge, *([1] * len(deepstack))], units, assignment, rank, group
+        )
+        return self._output(fields[0], fields[1], fields[2:])
 
     def _routing(self) -> contextlib.AbstractContextManager:
         """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
@@ -254,9 +322,7 @@ class CompiledVisionTower(torch.nn.Module):
         """Each batch's outputs, put back per item in the caller's order. Qwen2.5-VL's window permutation keeps
         each item's rows together, in item order, so its ``last_hidden_state`` comes out as one call gives it."""
         merge = self.geometry.spatial_merge_size**2
-        starts = [0]
-        for t, h, w in grid:
-            starts.append(starts[-1] + t * h * w)
+        starts = _row_starts(grid)
         pooled: list[Any] = [None] * len(grid)
         hidden: list[Any] = [None] * len(grid)
         deep: list[list[Any]] = []
@@ -273,7 +339,7 @@ class CompiledVisionTower(torch.nn.Module):
                         deep.append([None] * len(grid))
                     deep[level][index] = feature[offset // merge : (offset + size) // merge]
                 offset += size
-        return self._output(torch.cat(pooled), torch.cat(hidden), [torch.cat(level) for level in deep])
+        return torch.cat(pooled), torch.cat(hidden), [torch.cat(level) for level in deep]
 
     def _output(self, pooled, last_hidden, deepstack):
         fields = {"last_hidden_state": last_hidden, "pooler_output": pooled}
@@ -287,6 +353,7 @@ def compile_vision_tower(
     token_budgets: list[int] | tuple[int, ...] | None = None,
     max_items: int = 8,
     max_frames: int | None = None,
+    process_group: Any = None,
     **options: Any,
 ) -> CompiledVisionTower:
     """Compile ``model.visual`` with the vgraph backend, bounded by the tower's own geometry.
@@ -296,6 +363,10 @@ def compile_vision_tower(
     calls are split. Other ``options`` are ``VGraphConfig`` fields; ``check_values`` defaults to False here, since
     the offsets are built from the checked ``grid_thw`` (so no call reads device data back). Returns a module
     that can replace the tower in its model; while it is in training mode the stock tower serves it.
+
+    ``process_group`` (a ``torch.distributed`` group, NCCL or gloo): encode data parallel over its ranks. Every
+    rank calls with the same full batch and gets the full output, equal to a single-process call; each encodes
+    a share of the items balanced by patches (``vgraph_compile.hf.data_parallel``). None: this process alone.
     """
     kind = kind_of(tower)
     config = VGraphConfig(
@@ -307,4 +378,4 @@ def compile_vision_tower(
         check_values=options.pop("check_values", False),
         **options,
     )
-    return CompiledVisionTower(tower, config)
+    return CompiledVisionTower(tower, config, process_group=process_group)

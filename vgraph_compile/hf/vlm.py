@@ -31,8 +31,9 @@ VLM_CLASSES = tuple(
 def compile_vlm(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     """Replace the vision tower of ``model`` with ``compile_vision_tower(tower, **options)``; returns ``model``.
 
-    ``options`` are ``compile_vision_tower``'s (``token_budgets``, ``max_items``, ``max_frames``, VGraphConfig
-    fields). Compiling a model again recompiles its original tower with the new options.
+    ``options`` are ``compile_vision_tower``'s (``token_budgets``, ``max_items``, ``max_frames``,
+    ``process_group`` for data-parallel encoding over the ranks that run this model, VGraphConfig fields).
+    Compiling a model again recompiles its original tower with the new options.
     """
     name = type(model).__name__
     if name not in VLM_CLASSES:

@@ -1,0 +1,196 @@
+"""Data-parallel vision encoding: the Qwen2.5-VL-7B vision tower on 1 GPU vs N GPUs (``process_group``), NCCL.
+
+Every rank holds the whole tower (released size, random weights, bf16; nothing is downloaded) and is called with
+the same requests; with N > 1 ranks each encodes its share and all-gathers the rest. Workload: ``vgraph-bench``'s
+seeded trace (1-4 images of 224-1344 px, one request in six with a video), run back to back for throughput, then
+requests of exactly 4 images (the same trace generator, filtered) timed one by one for p50/p99 latency (a
+request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
+(``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
+
+    python benchmarks/data_parallel.py --ranks 1 2 --json benchmarks/results/data_parallel_h200x2.json
+    python benchmarks/data_parallel.py --device cpu --tiny --json /tmp/dp.json   # gloo, toy tower: checks the flow
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vgraph_compile.bench import Result, to_grid, trace
+from vgraph_compile.hf import compile_vision_tower
+
+TINY_TOWER = dict(
+    depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48, fullatt_block_indexes=[1]
+)
+"""The toy Qwen2.5-VL tower of the tests (2 blocks of width 32)."""
+TINY_OPTIONS = dict(token_budgets=[256, 1024], max_items=4, compiler="eager", attention_backend="sdpa")
+TINY_SCALE = 4
+"""--tiny divides the trace's pixel sizes by this (56-336 px), so the CPU's dense attention masks stay small."""
+
+
+def workload(args, config) -> tuple[list[list[tuple[int, int, int]]], list[list[tuple[int, int, int]]]]:
+    """(trace requests, 4-image requests) as grids of (t, h, w) patches of the tower ``config``; the same on
+    every rank."""
+    scale = TINY_SCALE if args.tiny else 1
+
+    def grid(items):
+        scaled = [(t, h // scale, w // scale) for t, h, w in items]
+        return to_grid(scaled, config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
+
+    requests = [grid(items) for items in trace(args.seed, args.requests)]
+    four = [grid(items) for items in trace(args.seed + 1, 16 * args.latency_requests) if len(items) == 4]
+    return requests, four[: args.latency_requests]
+
+
+def _inputs(grid, width: int, device: torch.device, dtype: torch.dtype, seed: int):
+    generator = torch.Generator(device).manual_seed(seed)
+    patches = sum(t * h * w for t, h, w in grid)
+    pixels = torch.randn(patches, width, generator=generator, device=device, dtype=dtype)
+    return pixels, torch.tensor(grid, dtype=torch.int64)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank(rank: int, ranks: int, directory: str, args) -> None:
+    """One rank of one group: warm up, run the trace back to back, time the 4-image requests; rank 0 writes."""
+    from vgraph_compile.models.qwen_towers import qwen_tower
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{directory}/init",
+        rank=rank,
+        world_size=ranks,
+        timeout=datetime.timedelta(minutes=10),
+    )
+    try:
+        start = time.perf_counter()
+        tower = qwen_tower("qwen2.5-vl", device=device, dtype=dtype, **(TINY_TOWER if args.tiny else {}))
+        options = TINY_OPTIONS if args.tiny else {}
+        compiled = compile_vision_tower(tower, process_group=dist.group.WORLD if ranks > 1 else None, **options)
+        requests, four = workload(args, tower.config)
+        width = compiled.patch_width
+        with torch.inference_mode():
+            compiled.warmup()
+            for index, grid in enumerate(requests[:4] + four[:2]):  # first sight of typical shapes
+                compiled(*_inputs(grid, width, device, dtype, index))
+            _synchronize(device)
+            warmup_s = time.perf_counter() - start
+            report = {"warmup_s": round(warmup_s, 1)}
+            if ranks > 1:
+                report["max_abs_diff_vs_one_rank"] = _vs_one_rank(compiled, requests[0], width, device, dtype)
+            inputs = [_inputs(grid, width, device, dtype, index) for index, grid in enumerate(requests)]
+            dist.barrier()
+            _synchronize(device)
+            begin = time.perf_counter()
+            for pixel_values, grid_thw in inputs:
+                compiled(pixel_values, grid_thw)
+            _synchronize(device)
+            seconds = time.perf_counter() - begin
+            del inputs
+            latencies = []
+            for index, grid in enumerate(four):
+                pixel_values, grid_thw = _inputs(grid, width, device, dtype, 1000 + index)
+                dist.barrier()
+                _synchronize(device)
+                begin = time.perf_counter()
+                compiled(pixel_values, grid_thw)
+                _synchronize(device)
+                latencies.append((time.perf_counter() - begin) * 1e3)
+        every = [None] * ranks
+        dist.all_gather_object(every, latencies)
+        slowest = [max(column) for column in zip(*every)]
+        patches = sum(t * h * w for grid in requests for t, h, w in grid)
+        summary = Result(latencies_ms=slowest).summary()
+        report.update(
+            requests=len(requests),
+            patches=patches,
+            seconds=round(seconds, 3),
+            requests_per_s=round(len(requests) / seconds, 2),
+            patches_per_s=round(patches / seconds),
+            latency_4_images={key: summary[key] for key in ("p50_ms", "p99_ms", "mean_ms", "requests")},
+            peak_mem_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+            stats=compiled.stats_table(),
+        )
+        if rank == 0:
+            with open(os.path.join(directory, "report.json"), "w") as handle:
+                json.dump(report, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.dtype) -> float:
+    """Largest difference between this group's output and this rank alone (process_group=None) on one request."""
+    pixel_values, grid_thw = _inputs(grid, width, device, dtype, 0)
+    spread = compiled(pixel_values, grid_thw)
+    group, compiled.process_group = compiled.process_group, None
+    try:
+        alone = compiled(pixel_values, grid_thw)
+    finally:
+        compiled.process_group = group
+    fields = [(spread.pooler_output, alone.pooler_output), (spread.last_hidden_state, alone.last_hidden_state)]
+    return max(float((a.float() - b.float()).abs().max()) for a, b in fields)
+
+
+def run_group(ranks: int, args) -> dict[str, Any]:
+    """One fresh group of ``ranks`` processes: rank 0's report."""
+    with tempfile.TemporaryDirectory() as directory:
+        torch.multiprocessing.spawn(_rank, args=(ranks, directory, args), nprocs=ranks)
+        with open(os.path.join(directory, "report.json")) as handle:
+            return json.load(handle)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="group sizes to run, one after another")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda: NCCL; cpu: gloo")
+    parser.add_argument("--tiny", action="store_true", help="the toy tower, smaller images (for the CPU)")
+    parser.add_argument("--requests", type=int, default=64, help="trace requests run back to back")
+    parser.add_argument("--latency-requests", type=int, default=64, help="4-image requests timed one by one")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.ranks):
+        parser.error(f"--ranks {max(args.ranks)} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by every process spawned below
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": "qwen2.5-vl vision tower, "
+        + ("toy size, fp32" if args.tiny else "released size (Qwen2.5-VL-7B), random weights, bf16"),
+        "workload": {"trace_requests": args.requests, "latency_requests": args.latency_requests, "seed": args.seed},
+        "env": {"NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]},
+        "groups": {},
+    }
+    for ranks in args.ranks:
+        report["groups"][str(ranks)] = run_group(ranks, args)
+        print(f"{ranks} rank(s): {report['groups'][str(ranks)]}", flush=True)
+    if "1" in report["groups"]:
+        one = report["groups"]["1"]["requests_per_s"]
+        report["throughput_vs_1_rank"] = {
+            ranks: round(group["requests_per_s"] / one, 3) for ranks, group in report["groups"].items()
+        }
+        print(f"throughput vs 1 rank: {report['throughput_vs_1_rank']} (target >= 1.8 on 2 GPUs)")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
