@@ -63,7 +63,8 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
         static_widths=False,
     )
     assert_expected_inline(
-        _bounds(gm, ctx), """budget 16: segments=[2] max_seqlen=[16] (cu.shape[0]<=3 max_seqlen<=16 x.shape[0]<=16 x.shape[1]==6)"""
+        _bounds(gm, ctx),
+        """budget 16: segments=[2] max_seqlen=[16] (cu.shape[0]<=3 max_seqlen<=16 x.shape[0]<=16 x.shape[1]==6)""",
     )
 
 
@@ -172,4 +173,6 @@ def test_window_group_is_named_not_guessed_from_the_traced_image():
     assert_expected_inline(_bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 4] max_seqlen=[64, 1024]""")
     unnamed = VGraphConfig(token_budgets=(1024,), geometry=QWEN25_GEOMETRY, max_items=4, window_offsets=())
     gm, ctx = trace(model, *inputs, config=unnamed)
-    assert_expected_inline(_bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 67] max_seqlen=[1024, 1024]""")
+    assert_expected_inline(
+        _bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 67] max_seqlen=[1024, 1024]"""
+    )

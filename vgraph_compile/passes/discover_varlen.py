@@ -28,7 +28,6 @@ message gives the ``torch._check`` to add). A trace whose token count is a const
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -496,8 +495,12 @@ def check_token_rows(spec: VarlenSpec, hints: dict) -> None:
         poly = sympy.Poly(rows, *sorted(rows.free_symbols, key=str))
     except sympy.PolynomialError:
         pass
-    if poly is None or poly.total_degree() != 1 or any(
-        not coefficient.is_Integer or (any(monomial) and coefficient <= 0) for monomial, coefficient in poly.terms()
+    if (
+        poly is None
+        or poly.total_degree() != 1
+        or any(
+            not coefficient.is_Integer or (any(monomial) and coefficient <= 0) for monomial, coefficient in poly.terms()
+        )
     ):
         pinned = _pinned_dims(spec)
         if pinned:
