@@ -22,6 +22,7 @@ from torch.fx.experimental import _config as fx_config
 
 from vgraph_compile.backend import VGraphBackend
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import counters
 from vgraph_compile.runtime.arguments import CallArguments, OutputLayout
 from vgraph_compile.runtime.runner import VGraphRuntime
 
@@ -74,6 +75,7 @@ class CompiledEncoderFunction:
         self._trainable: bool | None = None
         """Whether the module has parameters that require grad (read on the first call with grad enabled)."""
         self._trace_lock = threading.Lock()
+        self._warned_limit = False
         functools.update_wrapper(self, self._forward)
 
     @property
@@ -102,11 +104,31 @@ class CompiledEncoderFunction:
                 return result
         with self._trace_lock:
             known = len(self.vgraph.runtimes)
-            with trace_options(args):
-                result = self._compiled(*args, **kwargs)
+            try:
+                with trace_options(args):
+                    result = self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as failure:
+                if isinstance(failure.inner_exception, ValueError):
+                    raise failure.inner_exception from None  # bad input, said in the user's names
+                raise
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                return self._over_recompile_limit(args, kwargs)
             if self._hot is None and len(self.vgraph.runtimes) > known:
                 self._hot = self._hot_path(self.vgraph.runtimes[-1], args, kwargs, result)
         return result
+
+    def _over_recompile_limit(self, args: tuple, kwargs: dict) -> Any:
+        """Dynamo refuses another trace of this forward (its recompile limit): run it as written, counted."""
+        counters.eager_fallbacks += 1
+        if not self._warned_limit:
+            self._warned_limit = True
+            log.warning(
+                "vgraph: dynamo's recompile limit (torch._dynamo.config.recompile_limit) is reached for %s; calls "
+                "that need a new trace run eagerly. Reuse one compiled encoder instead of compiling the same forward "
+                "many times, or raise the limit",
+                getattr(self._forward, "__qualname__", self._forward),
+            )
+        return self.target(*args, **kwargs)
 
     def _hot_path(self, runtime: VGraphRuntime, args: tuple, kwargs: dict, result: Any) -> _HotPath | None:
         """The hot path over the runtime this call traced, when its inputs and outputs can be mapped."""

@@ -93,7 +93,10 @@ def _fingerprint(value: Any, path: tuple, sizes: set[tuple]) -> Any:
         return type(value), tuple(_fingerprint(item, (*path, i), sizes) for i, item in enumerate(value))
     if isinstance(value, dict):
         return dict, tuple((key, _fingerprint(item, (*path, key), sizes)) for key, item in value.items())
-    if isinstance(value, int) and not isinstance(value, bool) and path in sizes:
+    if path in sizes:
+        if not isinstance(value, int) or isinstance(value, bool):
+            where = path[0] + "".join(f"[{key!r}]" for key in path[1:])
+            raise ValueError(f"{where} must be an int (it is a size of the encoder's trace), got {value!r}")
         return int
     return type(value), value
 
@@ -156,7 +159,7 @@ class CallArguments:
         self.fingerprint = {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()}
 
     def read(self, args: tuple, kwargs: dict) -> list[Any] | None:
-        """The graph inputs for this call, or None when it needs a retrace."""
+        """The graph inputs for this call, or None when it needs a retrace; a ValueError for a size that is no int."""
         try:
             local = self._local(args, kwargs)
         except TypeError:
