@@ -58,3 +58,19 @@ def test_modes_and_bad_options_are_refused():
     with pytest.raises(BackendCompilerFailed, match=r"unknown vgraph option\(s\) \['budgets'\]") as refused:
         torch.compile(model, backend="vgraph", dynamic=True, options={"budgets": [4]})(*inputs)
     assert isinstance(refused.value.inner_exception, ValueError)
+
+
+def test_a_retrace_says_what_changed(caplog):
+    """torch.compile keeps dynamo's guards: a new grad mode retraces, and the warning names it."""
+    torch._dynamo.reset()
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    options = {"token_budgets": [32, 64], "max_segments": 4, "compiler": "eager"}
+    compiled = torch.compile(model, backend="vgraph", dynamic=True, options=options)
+    inputs = pack_images([5, 9], 12)
+    with torch.no_grad():
+        compiled(*inputs)
+    with torch.inference_mode():
+        compiled(*pack_images([6, 9], 12))
+    with torch.enable_grad():
+        compiled(*pack_images([7, 9], 12))
+    assert "vgraph traced the encoder again: grad mode: disabled -> enabled" in caplog.text

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from vgraph_compile.build import build
 from vgraph_compile.config import VGraphConfig
@@ -23,13 +24,15 @@ from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager
 from vgraph_compile.passes.discover_varlen import StaticTokensError
 from vgraph_compile.passes.spec import PassContext
-from vgraph_compile.runtime.runner import VGraphRuntime
+from vgraph_compile.runtime.runner import VGraphRuntime, user_name
 
 __all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]
 
 log = logging.getLogger(__name__)
 
 _RUNTIMES: "weakref.WeakSet[VGraphRuntime]" = weakref.WeakSet()
+_FIRST_TRACES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+"""Per encoder (its first parameter): the signature of its first dynamic trace, for the retrace warning."""
 
 
 def runtimes() -> list[VGraphRuntime]:
@@ -53,6 +56,15 @@ def _device(example_inputs: list[Any]) -> torch.device:
     return (activations or inputs)[0].device
 
 
+def _trace_signature(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[str, str]:
+    """What dynamo guards on that a user changes: grad mode, and each activation's dtype, device, rank and layout."""
+    signature = {"grad mode": "enabled" if torch.is_grad_enabled() else "disabled"}
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            signature[user_name(node.name)] = f"{value.dtype} on {value.device}, {value.dim()}-D, {value.layout}"
+    return signature
+
+
 class VGraphBackend:
     """The vgraph backend with a fixed config; keeps the runtimes it built, in order."""
 
@@ -60,6 +72,27 @@ class VGraphBackend:
         self.config = config or VGraphConfig()
         self.runtimes: list[VGraphRuntime] = []
         self._static_warned = False
+
+    @staticmethod
+    def _warn_retrace(example_inputs: list[Any], signature: dict[str, str]) -> None:
+        """A later dynamic trace of the same encoder (known by its first parameter): say what changed since its
+        first trace and what it costs (a compile and captures of its own)."""
+        owner = next((value for value in example_inputs if isinstance(value, torch.nn.Parameter)), None)
+        if owner is None:
+            return
+        first = _FIRST_TRACES.setdefault(owner, signature)
+        if first is signature:
+            return
+        changed = [
+            f"{name}: {first.get(name, 'absent')} -> {value}"
+            for name, value in signature.items()
+            if first.get(name) != value
+        ]
+        log.warning(
+            "vgraph traced the encoder again: %s. Each trace compiles and captures its own graphs (seconds to a "
+            "minute on a GPU); keep calls in one grad mode, dtype and layout to avoid it",
+            "; ".join(changed) or "a static dim or a specialized argument changed",
+        )
 
     def _static_trace(self, gm: torch.fx.GraphModule, why: str) -> Callable[..., Any]:
         """A trace that serves one token count: run it as traced, warn once; dynamo retraces on the next size."""
@@ -88,6 +121,7 @@ class VGraphBackend:
         except StaticTokensError as error:
             return self._static_trace(gm, str(error))
         counters.traces += 1
+        self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
         runtime = VGraphRuntime(build(gm, ctx), ctx, sources)
         self.runtimes.append(runtime)
