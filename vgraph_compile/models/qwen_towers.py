@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REAL_SIZES", "qwen_tower"]
+__all__ = ["REAL_SIZES", "TOY_SIZES", "MERGER_WIDTH", "qwen_tower"]
 
 REAL_SIZES = {
     "qwen2-vl": (
@@ -45,6 +45,27 @@ REAL_SIZES = {
     ),
 }
 """Vision towers of Qwen2-VL-7B, Qwen2.5-VL-7B and Qwen3-VL-8B: (module, tower class, config class, config)."""
+
+
+TOY_SIZES = {
+    "qwen2-vl": dict(depth=2, embed_dim=32, num_heads=2, hidden_size=48, mlp_ratio=2),
+    "qwen2.5-vl": dict(
+        depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48, fullatt_block_indexes=[1]
+    ),
+    "qwen3-vl": dict(
+        depth=2,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=48,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=64,
+    ),
+}
+"""The three tower families at toy sizes (2 blocks, width 32, merger output 48); the rest of each config as
+released."""
+MERGER_WIDTH = {"qwen2-vl": "hidden_size", "qwen2.5-vl": "out_hidden_size", "qwen3-vl": "out_hidden_size"}
+"""The config field holding the merger's output width (the language model's width inside a VLM)."""
 
 
 def qwen_tower(kind: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **resize):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vgraph_compile.models.qwen_towers import REAL_SIZES
+from vgraph_compile.models.qwen_towers import MERGER_WIDTH, REAL_SIZES, TOY_SIZES
 
 __all__ = ["VLM_FAMILIES", "Item", "Request", "qwen_vlm", "image_processor", "photos", "video_clip", "model_inputs"]
 
@@ -31,21 +31,16 @@ TINY_IDS = dict(pad=500, vision_start_token_id=501, vision_end_token_id=502, ima
 _TINY_TEXT = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
-_TINY_VISION = {
-    "qwen2-vl": dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2),
-    "qwen2.5-vl": dict(
-        depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, fullatt_block_indexes=[1]
-    ),
-    "qwen3-vl": dict(
-        depth=2,
-        hidden_size=32,
-        num_heads=2,
-        intermediate_size=64,
-        out_hidden_size=64,
-        deepstack_visual_indexes=[0],
-        num_position_embeddings=64,
-    ),
-}
+_QWEN2_7B_TEXT = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    rope_theta=1e6,
+)
+"""Qwen2-VL-7B's and Qwen2.5-VL-7B's language model (the same Qwen2-7B sizes)."""
 
 
 @dataclass(frozen=True)
@@ -64,15 +59,7 @@ VLM_FAMILIES = {
         "transformers.models.qwen2_vl.modeling_qwen2_vl",
         "Qwen2VLForConditionalGeneration",
         "Qwen2VLConfig",
-        dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            vocab_size=152064,
-            rope_theta=1e6,
-        ),
+        _QWEN2_7B_TEXT,
         [16, 24, 24],
         [2, 3, 3],
     ),
@@ -80,15 +67,7 @@ VLM_FAMILIES = {
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen2_5_VLConfig",
-        dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            vocab_size=152064,
-            rope_theta=1e6,
-        ),
+        _QWEN2_7B_TEXT,
         [16, 24, 24],
         [2, 3, 3],
     ),
@@ -118,7 +97,8 @@ def qwen_vlm(family: str, tiny: bool = True, device="cpu", dtype=torch.float32, 
     width 64, a 2-block tower of width 32, vocabulary 512 (``TINY_IDS``); else the released sizes."""
     spec = VLM_FAMILIES[family]
     module = importlib.import_module(spec.module)
-    vision = {**REAL_SIZES[family][3], **(_TINY_VISION[family] if tiny else {})}
+    toy = {**TOY_SIZES[family], MERGER_WIDTH[family]: _TINY_TEXT["hidden_size"]}
+    vision = {**REAL_SIZES[family][3], **(toy if tiny else {})}
     text = dict(_TINY_TEXT, vocab_size=512) if tiny else dict(spec.text)
     rope = dict(
         rope_type="default",
