@@ -18,7 +18,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vgraph_compile.build import build
+from vgraph_compile.graphs import build
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager

@@ -24,9 +24,9 @@ from typing import Any, Iterator, Sequence
 import sympy
 import torch
 
-from vgraph_compile.build import CompiledEncoder
-from vgraph_compile.build.buckets import Bucket, BucketStats, padded_fraction
-from vgraph_compile.build.padding import fill
+from vgraph_compile.graphs import CompiledEncoder
+from vgraph_compile.graphs.buckets import Bucket, BucketStats, padded_fraction
+from vgraph_compile.graphs.padding import fill
 from vgraph_compile.counters import counters
 from vgraph_compile.passes.spec import BucketShape, PassContext, Role
 from vgraph_compile.runtime.arguments import argument_rooted

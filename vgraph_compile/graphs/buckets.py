@@ -11,7 +11,7 @@ Buffers: each copied input has one flat storage, sized for the largest bucket; a
 view of its first elements. Buckets never run at the same time (the runtime serializes calls), so they share it.
 On CPU (or with ``cudagraphs=False``) a bucket runs the compiled code on its buffers each call.
 
-What this module does not own: filling the buffers per call (``build/padding``, called by ``runtime/runner``), choosing a bucket, and the
+What this module does not own: filling the buffers per call (``graphs/padding``, called by ``runtime/runner``), choosing a bucket, and the
 order of calls (``runtime/runner``).
 """
 
@@ -26,10 +26,10 @@ import sympy
 import torch
 from tqdm.auto import tqdm
 
-from vgraph_compile.build.compile import CompiledFn
+from vgraph_compile.graphs.compile import CompiledFn
 from vgraph_compile.counters import counters
 from vgraph_compile.passes.spec import BucketShape, Role, VarlenSpec
-from vgraph_compile.build import padding
+from vgraph_compile.graphs import padding
 
 __all__ = ["Bucket", "BucketStats", "allocate", "capture", "padded_fraction"]
 

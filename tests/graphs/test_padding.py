@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.passes.spec import Role
-from vgraph_compile.build.padding import fill
+from vgraph_compile.graphs.padding import fill
 
 
 @given(rows=st.integers(1, 20), extra=st.integers(0, 20))

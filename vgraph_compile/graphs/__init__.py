@@ -1,4 +1,4 @@
-"""The build stage: one compiled graph for a traced encoder, then per bucket its buffers and captured graph.
+"""The build stage (``graphs``): one compiled graph for a traced encoder, then per bucket its buffers and captured graph.
 
 ``build(gm, ctx)`` runs after the analyses (``ctx.spec``, ``ctx.buckets``): it rewrites two copies of the trace
 (the eager fallback, and the graph inductor compiles once), binds the parameters (padded where ``align_matmuls``
@@ -19,10 +19,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from vgraph_compile import backends
-from vgraph_compile.build import buckets as bucket_graphs
-from vgraph_compile.build.buckets import Bucket
-from vgraph_compile.build.compile import CompiledFn, compile_once
-from vgraph_compile.build.kernel_choice import choose_kernels
+from vgraph_compile.graphs import buckets as bucket_graphs
+from vgraph_compile.graphs.buckets import Bucket
+from vgraph_compile.graphs.compile import CompiledFn, compile_once
+from vgraph_compile.graphs.kernel_choice import choose_kernels
 from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager, select_kernel
 from vgraph_compile.passes.align_matmuls import PADDED_SHAPE

@@ -2,7 +2,7 @@
 
 import logging
 
-from vgraph_compile.build.kernel_choice import fastest_kernel
+from vgraph_compile.graphs.kernel_choice import fastest_kernel
 
 
 def test_fastest_wins_failures_are_skipped_and_timings_cached(caplog):
