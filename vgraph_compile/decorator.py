@@ -132,10 +132,11 @@ class CompiledEncoderFunction:
 
     def _hot_path(self, runtime: VGraphRuntime, args: tuple, kwargs: dict, result: Any) -> _HotPath | None:
         """The hot path over the runtime this call traced, when its inputs and outputs can be mapped."""
-        if runtime.last_outputs is None:
+        first, runtime.first_outputs = runtime.first_outputs, None
+        if first is None:
             return None
         arguments = CallArguments.from_trace(runtime.input_sources, runtime.fixed_inputs, self._forward)
-        layout = OutputLayout.match(result, runtime.last_outputs)
+        layout = OutputLayout.match(result, first)
         if arguments is None or layout is None:
             return None
         arguments.remember(args, kwargs)

@@ -118,8 +118,11 @@ class VGraphRuntime:
             for source, value in zip(self.input_sources, ctx.example_inputs)
         ]
         """The traced value of each input not read from the call's arguments (parameters, module state)."""
-        self.last_outputs: list[Any] | None = None
-        """The outputs of the latest call (the decorator maps them to what the encoder returns)."""
+        self.serves = 0
+        """Calls served (by a bucket or eagerly)."""
+        self.first_outputs: list[Any] | None = None
+        """The outputs of the first call only (the decorator maps them to what the encoder returns, then drops
+        them); later calls keep no reference to their outputs."""
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -244,7 +247,7 @@ class VGraphRuntime:
         miss.count += 1
         counters.eager_fallbacks += 1
         outputs = self.encoder.eager(*args)
-        self.last_outputs = list(outputs)
+        self._remember_first(list(outputs))
         return outputs
 
     def _no_bucket(self, args: Sequence[Any], sizes: dict[sympy.Symbol, int]) -> Any:
@@ -258,6 +261,11 @@ class VGraphRuntime:
             for symbol, real, value in over
         )
         return self._miss(reason, args, f" ({detail})")
+
+    def _remember_first(self, outputs: list[Any]) -> None:
+        if self.serves == 0:
+            self.first_outputs = outputs
+        self.serves += 1
 
     def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
         """Fill the bucket's buffers. A metadata input (offsets, indices: anything but token rows) that is the same
@@ -311,7 +319,7 @@ class VGraphRuntime:
             bucket.stats.hits += 1
             bucket.stats.real_tokens += plan.tokens
             counters.replays += 1
-            self.last_outputs = results
+            self._remember_first(results)
         return results
 
     # -- reporting ---------------------------------------------------------------------------------------------
