@@ -60,7 +60,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, WindowedViT depth {args.depth} (bf16)")
     for name in ("tight", "conservative"):
         runtime = systems[name].vgraph.runtimes[0]
-        print(f"{name}: " + "; ".join(bucket.format(runtime.spec) for bucket in runtime.ctx.buckets))
+        print(f"{name}: " + "; ".join(bucket.shape.format(runtime.spec) for bucket in runtime.buckets))
     print(f"{'case':>10} {'eager':>8} {'tight':>8} {'conserv.':>9} {'conserv./tight':>15}")
     for case, row in results.items():
         print(
