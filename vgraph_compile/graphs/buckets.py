@@ -22,12 +22,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import sympy
 import torch
 from tqdm.auto import tqdm
 
 from vgraph_compile.graphs.compile import CompiledFn
 from vgraph_compile.counters import counters
+from vgraph_compile.passes.fx_utils import evaluate
 from vgraph_compile.passes.spec import BucketShape, Role, VarlenSpec
 from vgraph_compile.graphs import padding
 
@@ -83,10 +83,6 @@ class Bucket:
             padding.fill_empty(roles[index], buffer)
 
 
-def _substitute(expr, values: dict) -> int:
-    return int(sympy.sympify(expr).xreplace({symbol: sympy.Integer(size) for symbol, size in values.items()}))
-
-
 def allocate(
     spec: VarlenSpec,
     shapes: list[BucketShape],
@@ -102,7 +98,9 @@ def allocate(
     """
     shapes = sorted(shapes, key=lambda shape: shape.budget)
     sizes = {
-        index: [[_substitute(size, shape.values) for size in spec.input_shapes[index]] for shape in shapes]
+        index: [
+            [evaluate(size, shape.values, "a buffer's size") for size in spec.input_shapes[index]] for shape in shapes
+        ]
         for index in copied
     }
     storages = {
@@ -117,7 +115,7 @@ def allocate(
             dims = sizes[index][position]
             buffers[index] = inputs[index] = storage[: math.prod(dims)].view(dims)
         for index, value in int_inputs.items():
-            inputs[index] = _substitute(value, shape.values)
+            inputs[index] = evaluate(value, shape.values, "a size input")
         buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget)))
     return buckets
 

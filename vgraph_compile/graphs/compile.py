@@ -23,7 +23,7 @@ import torch.fx
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
-from vgraph_compile.passes.fx_utils import example_value
+from vgraph_compile.passes.fx_utils import example_value, substitute
 from vgraph_compile.passes.spec import BucketShape, PassContext, Role
 
 __all__ = ["compile_once", "CompiledFn"]
@@ -55,7 +55,7 @@ def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledFn:
 
 def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
     """Whether ``guard`` holds at the bucket's sizes; None when it reads sizes the bucket does not fix."""
-    value = guard.xreplace({symbol: sympy.Integer(size) for symbol, size in bucket.values.items()})
+    value = substitute(guard, bucket.values)
     if value in (sympy.true, sympy.false):
         return bool(value)
     return None

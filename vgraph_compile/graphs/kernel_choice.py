@@ -19,11 +19,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-import sympy
 import torch
 
 from vgraph_compile import backends
-from vgraph_compile.passes.fx_utils import example_value
+from vgraph_compile.passes.fx_utils import evaluate, example_value
 from vgraph_compile.passes.spec import PassContext
 
 __all__ = ["choose_kernels", "fastest_kernel", "GroupShape"]
@@ -118,7 +117,7 @@ def _group_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, Group
         if site.group in shapes:
             continue
         q = example_value(nodes[site.node].args[0])
-        rows = int(site.rows.xreplace({symbol: sympy.Integer(size) for symbol, size in largest.values.items()}))
+        rows = evaluate(site.rows, largest.values, f"the rows of attention site {site.node}")
         segment = max(1, min(rows, largest.max_seqlen[site.group]))
         shapes[site.group] = GroupShape(rows, segment, int(q.shape[1]), int(q.shape[2]), q.dtype)
     return shapes

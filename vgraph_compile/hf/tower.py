@@ -227,11 +227,11 @@ class CompiledVisionTower(torch.nn.Module):
         return metadata
 
     def warmup(self) -> None:
-        """Trace, compile and capture every bucket with a synthetic image, before serving any call.
+        """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
 
-        The image is one window tall and two wide, so the trace sees more windows than frames: that is how the
-        bounds pass tells the window group from the frame group (and so sizes each tightly). Call it in the mode
-        calls will use (``torch.inference_mode()`` or ``torch.no_grad()``): dynamo guards on it.
+        The image is one window tall and two wide, so both attention groups (frames and windows) have segments in
+        the trace; which group is the window group comes from ``VGraphConfig.window_offsets`` (the tower's
+        ``cu_window_seqlens``), not from the image. Later calls skip dynamo, in any grad mode.
         """
         if self.runtimes:
             return

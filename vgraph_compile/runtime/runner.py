@@ -28,6 +28,7 @@ from vgraph_compile.graphs import CompiledEncoder
 from vgraph_compile.graphs.buckets import Bucket, BucketStats, padded_fraction
 from vgraph_compile.graphs.padding import fill
 from vgraph_compile.counters import counters
+from vgraph_compile.passes.fx_utils import evaluate
 from vgraph_compile.passes.spec import BucketShape, PassContext, Role
 from vgraph_compile.runtime.arguments import argument_rooted
 
@@ -133,16 +134,6 @@ class VGraphRuntime:
         self.encoder.warmup()
 
     # -- per call ----------------------------------------------------------------------------------------------
-    def sizes(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
-        """The real value of every bound symbol, read from the call's inputs."""
-        return {
-            symbol: int(args[index]) if dim is None else args[index].shape[dim]
-            for symbol, index, dim in self.spec.bindings
-        }
-
-    def tokens(self, substitution: dict[sympy.Symbol, sympy.Integer]) -> int:
-        """The call's token count (rows of the first attention), the quantity budgets are counted in."""
-        return int(self.spec.token_rows.xreplace(substitution))
 
     def _plan(self, args: Sequence[Any]) -> _Plan:
         key = tuple(int(args[index]) if dim is None else args[index].shape[dim] for _, index, dim in self.spec.bindings)
@@ -150,25 +141,27 @@ class VGraphRuntime:
         if plan is not None:
             return plan
         sizes = dict(zip((symbol for symbol, _, _ in self.spec.bindings), key))
-        substitution = {symbol: sympy.Integer(value) for symbol, value in sizes.items()}
         narrow = []
         for shape in self.spec.outputs:
             if isinstance(shape, tuple):
                 narrow.append(
                     tuple(
-                        (dim, int(size.xreplace(substitution))) for dim, size in enumerate(shape) if size.free_symbols
+                        (dim, evaluate(size, sizes, "an output size"))
+                        for dim, size in enumerate(shape)
+                        if size.free_symbols
                     )
                 )
             elif isinstance(shape, sympy.Expr):
-                narrow.append(int(shape.xreplace(substitution)))
+                narrow.append(evaluate(shape, sizes, "an int output"))
             else:
                 narrow.append(None)
         ends = {
-            group.offsets_input: int(group.ends_at.xreplace(substitution))
+            group.offsets_input: evaluate(group.ends_at, sizes, "where cu_seqlens ends")
             for group in self.spec.groups
             if group.ends_at is not None
         }
-        plan = _Plan(sizes, self.tokens(substitution), ends, self._choose(sizes), tuple(narrow))
+        tokens = evaluate(self.spec.token_rows, sizes, "the token rows")
+        plan = _Plan(sizes, tokens, ends, self._choose(sizes), tuple(narrow))
         if len(self._plans) >= _PLAN_CACHE_SIZE:
             self._plans.clear()
         self._plans[key] = plan
