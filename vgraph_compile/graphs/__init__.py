@@ -24,7 +24,7 @@ from vgraph_compile.graphs.buckets import Bucket
 from vgraph_compile.graphs.compile import CompiledFn, compile_once
 from vgraph_compile.graphs.kernel_choice import choose_kernels
 from vgraph_compile.counters import counters
-from vgraph_compile.passes import pass_manager, select_kernel
+from vgraph_compile.passes import fold_scalars, pass_manager, select_kernel
 from vgraph_compile.passes.align_matmuls import PADDED_SHAPE
 from vgraph_compile.passes.fx_utils import example_value
 from vgraph_compile.passes.spec import PassContext, Role
@@ -49,6 +49,8 @@ class CompiledEncoder:
     """Role of each input filled per call, by graph input index."""
     kernels: dict[int, str] = field(default_factory=dict)
     """Attention group -> the kernel its sites run."""
+    folded: dict[int, float | int | bool] = field(default_factory=dict)
+    """Graph input index -> the scalar value the graphs were built with (``passes/fold_scalars``)."""
     pool_bytes: int = 0
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
     _captured: bool = field(default=False, repr=False)
@@ -100,6 +102,7 @@ def _bind_parameters(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
 def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     """Rewrite, compile once, bind and allocate; ``gm`` itself is left as traced."""
     cudagraphs = _cudagraphs(ctx)
+    folded = fold_scalars.folded(gm, ctx)
     ctx.kernels = choose_kernels(gm, ctx)
     eager = pass_manager.rewrite(copy.deepcopy(gm), ctx, pass_manager.REWRITES)
     compiled_graph = pass_manager.rewrite(copy.deepcopy(gm), ctx, pass_manager.REWRITES + pass_manager.COMPILE_REWRITES)
@@ -122,4 +125,4 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     counters.buckets_built += len(buckets)
     roles = {index: ctx.spec.inputs[index].role for index in copied}
     kernels = select_kernel.kernels_by_group(compiled_graph, ctx)
-    return CompiledEncoder(eager, compiled, buckets, cudagraphs, roles, kernels)
+    return CompiledEncoder(eager, compiled, buckets, cudagraphs, roles, kernels, folded)

@@ -3,10 +3,12 @@
 Order, and why:
 1. ``discover_varlen`` (analysis): roles and groups come from the traced graph, before any rewrite.
 2. ``bounds`` (analysis): per-bucket sizes need the roles; the trace's guards are checked here, before compiling.
-3. ``select_kernel`` (rewrite, on the eager copy and the compiled copy): each site names its kernel.
-4. ``lower_packed`` (rewrite, both copies): after the kernel is known, builds packed offsets for the sites whose
+3. ``fold_scalars`` (rewrite, both copies): ``.item()`` of scalar inputs becomes the traced value, before
+   anything is compiled or captured (a captured graph cannot read the host).
+4. ``select_kernel`` (rewrite, on the eager copy and the compiled copy): each site names its kernel.
+5. ``lower_packed`` (rewrite, both copies): after the kernel is known, builds packed offsets for the sites whose
    kernel reads them.
-5. ``align_matmuls`` (rewrite, the compiled copy only): pads misaligned matmul widths; last, since it changes
+6. ``align_matmuls`` (rewrite, the compiled copy only): pads misaligned matmul widths; last, since it changes
    parameter shapes that only the build binds.
 No pass specializes sizes: the compiled graph stays symbolic and every bucket runs it at its own sizes.
 The wrapper times each pass, logs the graph before and after at debug level, and lints and recompiles.
@@ -20,7 +22,7 @@ from typing import Callable
 
 import torch.fx
 
-from vgraph_compile.passes import align_matmuls, bounds, discover_varlen, lower_packed, select_kernel
+from vgraph_compile.passes import align_matmuls, bounds, discover_varlen, fold_scalars, lower_packed, select_kernel
 from vgraph_compile.passes.spec import PassContext
 
 __all__ = ["ANALYSES", "REWRITES", "COMPILE_REWRITES", "analyze", "rewrite", "apply_pass"]
@@ -34,6 +36,7 @@ ANALYSES: tuple[tuple[str, Pass], ...] = (
     ("bounds", bounds.run),
 )
 REWRITES: tuple[tuple[str, Pass], ...] = (
+    ("fold_scalars", fold_scalars.run),
     ("select_kernel", select_kernel.run),
     ("lower_packed", lower_packed.run),
 )

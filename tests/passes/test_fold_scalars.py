@@ -1,0 +1,53 @@
+"""``fold_scalars``: a module's float attribute that plain ``torch.compile(dynamic=True)`` passes as a 0-d input and
+reads with ``.item()`` becomes its traced value; a call with another value is never served with the old one."""
+
+import copy
+
+import torch
+from expecttest import assert_expected_inline
+
+import vgraph_compile
+from tests.helpers import trace
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.passes import fold_scalars, pass_manager
+
+
+def _layer_norm_lines(gm):
+    return "\n".join(node.format_node() for node in gm.graph.nodes if "layer_norm" in node.name)
+
+
+def test_item_of_a_scalar_input_becomes_its_traced_value():
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    config = VGraphConfig(token_budgets=(64,), max_segments=4)
+    gm, ctx = trace(model, *pack_images([20, 7], 12), config=config, plain=True)
+    pass_manager.analyze(gm, ctx)
+    items = sum(node.op == "call_method" and node.target == "item" for node in gm.graph.nodes)
+    assert items == 3  # the block's two norms and the final norm
+    folded = pass_manager.apply_pass("fold_scalars", fold_scalars.run, copy.deepcopy(gm), ctx)
+    assert not any(node.op == "call_method" and node.target == "item" for node in folded.graph.nodes)
+    after = _layer_norm_lines(folded)
+    assert_expected_inline(
+        after.splitlines()[0],
+        """%layer_norm : [num_users=1] = call_function[target=torch.nn.functional.layer_norm](args = (%x, (16,), %l_self_modules_blocks_modules_0_modules_norm1_parameters_weight_, %l_self_modules_blocks_modules_0_modules_norm1_parameters_bias_, 1e-05), kwargs = {})""",
+    )
+    assert sorted(fold_scalars.folded(gm, ctx).values()) == [1e-05] * 3
+
+
+def test_a_changed_scalar_is_never_served_with_the_folded_value():
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    torch._dynamo.reset()
+    options = {"token_budgets": [32, 64], "max_segments": 4, "compiler": "eager"}
+    compiled = torch.compile(model, backend="vgraph", dynamic=True, options=options)
+    inputs = pack_images([20, 7], 12)
+    with torch.inference_mode():  # dynamo passes the norms' eps as 0-d inputs read with .item()
+        compiled(*inputs)
+        runtime = vgraph_compile.runtimes()[-1]
+        assert sorted(runtime.encoder.folded.values()) == [1e-05] * 3
+        before = compiled(*inputs)
+        model.norm.eps = 0.5  # served eagerly by this runtime, or retraced by dynamo: never with the old constant
+        after = compiled(*inputs)
+    torch.testing.assert_close(after, model(*inputs), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after, before, rtol=1e-3, atol=1e-3)
