@@ -23,8 +23,8 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.passes import pass_manager
 from vgraph_compile.passes.discover_varlen import StaticTokensError
-from vgraph_compile.passes.spec import PassContext
-from vgraph_compile.runtime.runner import VGraphRuntime, user_name
+from vgraph_compile.passes.spec import PassContext, user_name
+from vgraph_compile.runtime.runner import VGraphRuntime
 
 __all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]
 

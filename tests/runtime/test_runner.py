@@ -264,3 +264,24 @@ def test_metadata_refill_sees_in_place_changes_and_other_buckets(model, compiled
         torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
         compiled(*pack_images([6, 6], 12))  # the same bucket, other offsets, in the shared buffer
         torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
+    """The first call plans before the capture; if the capture drops a bucket (out of GPU memory), that call and
+    every later one go to the next larger bucket."""
+    from vgraph_compile.graphs import buckets as bucket_graphs
+
+    def capture_dropping_the_smallest(buckets, compiled, roles):
+        return sorted(buckets, key=lambda bucket: bucket.shape.budget)[1:]
+
+    monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
+    with monkeypatch.context() as patch:
+        patch.setattr("vgraph_compile.graphs._cudagraphs", lambda ctx: True)
+        inputs = pack_images([3, 4], 12)  # fits the 16 bucket, which the capture drops
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+            compiled(*inputs)
+    runtime = compiled.vgraph.runtimes[0]
+    assert [(bucket.shape.budget, bucket.stats.hits) for bucket in runtime.buckets] == [(64, 2), (128, 0)]

@@ -53,20 +53,24 @@ class CompiledEncoder:
     """Graph input index -> the scalar value the graphs were built with (``passes/fold_scalars``)."""
     pool_bytes: int = 0
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
-    _captured: bool = field(default=False, repr=False)
+    captured: bool = False
+    """Whether ``warmup`` ran (the buckets list is final)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def warmup(self) -> None:
-        """Capture every bucket's CUDA graph (largest first, one pool); idempotent and thread-safe."""
+        """Capture every bucket's CUDA graph (largest first, one pool); idempotent and thread-safe. Once done it
+        costs one attribute read, so every call may ask for it."""
+        if self.captured:
+            return
         with self._lock:
-            if self._captured:
+            if self.captured:
                 return
             if self.cudagraphs:
                 reserved = torch.cuda.memory_reserved()
                 with torch.inference_mode(False):
                     self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles)
                 self.pool_bytes = torch.cuda.memory_reserved() - reserved
-            self._captured = True
+            self.captured = True
 
 
 def _cudagraphs(ctx: PassContext) -> bool:

@@ -73,11 +73,6 @@ class _TensorContract:
     """Per dim: its fixed size, or None where it varies with the call."""
 
 
-def user_name(name: str) -> str:
-    """A graph input's name as the user wrote it: dynamo's ``l_patches_`` -> ``patches``."""
-    return name[2:-1] if name.startswith("l_") and name.endswith("_") else name
-
-
 class VGraphRuntime:
     """Token-budget buckets for one dynamo trace, and the eager trace as fallback."""
 
@@ -104,7 +99,7 @@ class VGraphRuntime:
         self._contracts = [
             _TensorContract(
                 role.index,
-                user_name(role.name),
+                self.spec.describe_input(role.index),
                 value.dtype,
                 value.device,
                 tuple(int(size) if not getattr(size, "free_symbols", ()) else None for size in shape),
@@ -129,9 +124,14 @@ class VGraphRuntime:
     def buckets(self) -> list[Bucket]:
         return self.encoder.buckets
 
-    def warmup(self) -> None:
-        """Capture every bucket's graph now (the first call does it otherwise)."""
+    def warmup(self) -> bool:
+        """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured:
+        the plans made before it are dropped, since a bucket dropped at capture must never be chosen."""
+        if self.encoder.captured:
+            return False
         self.encoder.warmup()
+        self._plans.clear()
+        return True
 
     # -- per call ----------------------------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class VGraphRuntime:
             offsets = args[role.index]
             if offsets.dim() != 1 or offsets.shape[0] < 2:
                 raise ValueError(
-                    f"{user_name(role.name)}: cu_seqlens must be 1-D with at least 2 entries [0, ..., tokens], "
+                    f"{self.spec.describe_input(role.index)}: cu_seqlens must be 1-D with at least 2 entries [0, ..., tokens], "
                     f"got shape {tuple(offsets.shape)}"
                 )
             if not self.config.check_values:
@@ -202,7 +202,7 @@ class VGraphRuntime:
             end = plan.ends.get(role.index, values[-1])
             if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != end:
                 raise ValueError(
-                    f"{user_name(role.name)}: cu_seqlens must start at 0, never decrease and end at the row "
+                    f"{self.spec.describe_input(role.index)}: cu_seqlens must start at 0, never decrease and end at the row "
                     f"count {end}; got {values[:8]}{'...' if len(values) > 8 else ''} ending at {values[-1]}. "
                     "Build it as F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)"
                 )
@@ -210,8 +210,8 @@ class VGraphRuntime:
             for index in self._max_seqlen.get(role.index, ()):
                 if longest > args[index]:
                     raise ValueError(
-                        f"{user_name(self.spec.inputs[index].name)}={args[index]} is smaller than the longest "
-                        f"segment of {user_name(role.name)} ({longest} rows): pass the longest segment length"
+                        f"{self.spec.describe_input(index)}={args[index]} is smaller than the longest "
+                        f"segment of {self.spec.describe_input(role.index)} ({longest} rows): pass the longest segment length"
                     )
 
     @staticmethod
@@ -298,9 +298,10 @@ class VGraphRuntime:
             return self._miss("autograd is enabled (vgraph graphs are inference-only: use torch.no_grad())", args)
         changed = [index for index, value in self.encoder.folded.items() if args[index].item() != value]
         if changed:
-            names = ", ".join(user_name(self.spec.inputs[index].name) for index in changed)
+            names = ", ".join(self.spec.describe_input(index) for index in changed)
             return self._miss(f"{names} differ from the values the graphs were built with", args)
-        self.warmup()
+        if self.warmup():
+            plan = self._plan(args)  # chosen again among the buckets the capture kept
         bucket = plan.bucket
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
