@@ -33,3 +33,25 @@ def test_one_compile_for_every_bucket():
             inputs = pack_images(lengths, 12)
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
     assert [bucket.stats.hits for bucket in compiled.vgraph.runtimes[0].buckets] == [1, 1, 1]
+
+
+def test_another_instance_starts_from_inductors_cache():
+    """Parameters are graph inputs, not constants: a fresh trace of another instance (other weights, as a second
+    process would load) is served from inductor's on-disk cache, and computes with its own weights."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    def compile_and_check(seed):
+        torch.manual_seed(seed)
+        model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+        compiled = vgraph_compile.encoder(model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa")
+        inputs = pack_images([5, 7], 12)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+    compile_and_check(seed=1)
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    with counters.expect(traces=1, sites_found=1, nodes_rewritten=2, compiles=1, buckets_built=2, replays=1):
+        compile_and_check(seed=2)
+    hits = dynamo_counters["inductor"]["fxgraph_cache_hit"] + dynamo_counters["aot_autograd"]["autograd_cache_hit"]
+    assert hits >= 1 and dynamo_counters["inductor"]["fxgraph_cache_miss"] == 0
