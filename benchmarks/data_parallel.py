@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vgraph_compile.bench import Result, to_grid, trace
+from vgraph_compile.bench import Result, to_grid, trace, write_report
 from vgraph_compile.hf import compile_vision_tower
 
 TINY_TOWER = dict(
@@ -186,9 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ranks: round(group["requests_per_s"] / one, 3) for ranks, group in report["groups"].items()
         }
         print(f"throughput vs 1 rank: {report['throughput_vs_1_rank']} (target >= 1.8 on 2 GPUs)")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_report(report, args.json)
     return report
 
 

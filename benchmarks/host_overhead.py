@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import vgraph_compile
+from vgraph_compile.bench import host_ms_per_call, write_report
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 
@@ -35,17 +34,9 @@ def _host_only(runtime) -> None:
         bucket.graph = _NoOpGraph()
 
 
-def _median_us(fn, device: torch.device, calls: int = 300) -> float:
-    for _ in range(30):
-        fn()
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return round(statistics.median(times), 1)
+def _median_us(fn, device: torch.device) -> float:
+    host_ms_per_call(fn, 30, device)  # warm-up
+    return round(1e3 * host_ms_per_call(fn, 300, device), 1)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,9 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
     report["dynamo_guards_us"] = round(report["torch_compile_us"] - report["decorator_us"], 1)
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.json)
     return report
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vgraph_compile.bench import write_report
 from vgraph_compile.hf import compile_vlm
 from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
 
@@ -230,9 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         json.dumps({**{k: v for k, v in report.items() if k not in ("systems", "vgraph_buckets")}, **summary}, indent=1)
     )
     print(report["vgraph_buckets"])
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+    write_report(report, args.json)
     if args.plot:
         plot(report, args.plot)
     return report

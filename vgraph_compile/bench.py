@@ -701,6 +701,13 @@ def _add_second_start(report: dict[str, Any], second: dict[str, Any]) -> None:
             report["systems"][name]["second_start_status"] = row["status"]
 
 
+def write_report(report: dict[str, Any], path: str | None) -> None:
+    """Write ``report`` as JSON to ``path`` (nothing when no path was asked for); every benchmark script's output."""
+    if path:
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
 def plot(report: dict[str, Any], path: str) -> None:
     try:
         import matplotlib
@@ -814,9 +821,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.targets:
         report["targets"] = targets(report, args.baseline_peak_gib)
         print(targets_table(report["targets"]))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.json)
     if args.plot:
         plot(report, args.plot)
     return report

@@ -287,7 +287,7 @@ class CompiledVisionTower(torch.nn.Module):
         except ValueError as error:
             grid, refused = [], error
         key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
-        agreed = data_parallel.same_batch(key, group, next(self.tower.parameters()).device)
+        agreed = data_parallel.same_batch(key, group, self.parameter.device)
         if refused:
             raise refused
         if not agreed:

@@ -296,7 +296,11 @@ class VGraphRuntime:
         grad = torch.is_grad_enabled()
         if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return self._miss("autograd is enabled (vgraph graphs are inference-only: use torch.no_grad())", args)
-        changed = [index for index, value in self.encoder.folded.items() if args[index].item() != value]
+        changed = [  # the hot path passes the traced tensor itself: no read of it per call
+            index
+            for index, value in self.encoder.folded.items()
+            if args[index] is not self.fixed_inputs[index] and args[index].item() != value
+        ]
         if changed:
             names = ", ".join(self.spec.describe_input(index) for index in changed)
             return self._miss(f"{names} differ from the values the graphs were built with", args)
