@@ -131,3 +131,19 @@ def test_grad_enabled_call_runs_the_stock_tower(towers, compiled):
         out = tower_compiled(pixel_values, grid_thw)
     assert tower_compiled.stock_calls == before + 1 and out.pooler_output.grad_fn is not None
     torch.testing.assert_close(out.pooler_output, tower(pixel_values, grid_thw).pooler_output)
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_nonfinite_pixel_stays_in_its_image(towers, compiled, name, poison):
+    """One NaN or Inf pixel in image 0 of a call: image 1's features are finite and equal the clean call's."""
+    pixel_values, grid_thw = _inputs(towers[name], [(1, 8, 8), (1, 8, 12)])
+    poisoned = pixel_values.clone()
+    poisoned[5, 3] = poison
+    with torch.no_grad():
+        clean = compiled[name](pixel_values, grid_thw).pooler_output
+        out = compiled[name](poisoned, grid_thw).pooler_output
+    first = 8 * 8 // 4  # image 0's merged rows
+    assert not out[:first].isfinite().all()  # the poison did reach its own image
+    assert out[first:].isfinite().all()
+    torch.testing.assert_close(out[first:], clean[first:], rtol=1e-6, atol=1e-6)

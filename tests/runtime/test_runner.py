@@ -285,3 +285,18 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
             compiled(*inputs)
     runtime = compiled.vgraph.runtimes[0]
     assert [(bucket.shape.budget, bucket.stats.hits) for bucket in runtime.buckets] == [(64, 2), (128, 0)]
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_nonfinite_value_stays_in_its_segment(model, inductor_compiled, poison):
+    """Through the compiled buckets: a NaN or Inf patch in image 0 leaves image 1's rows finite and as in the
+    clean call."""
+    patches, cu, max_seqlen = pack_images([9, 14], 12)
+    poisoned = patches.clone()
+    poisoned[4, 7] = poison
+    with torch.no_grad():
+        clean = inductor_compiled(patches, cu, max_seqlen)
+        out = inductor_compiled(poisoned, cu, max_seqlen)
+    assert not out[:9].isfinite().all()
+    assert out[9:].isfinite().all()
+    torch.testing.assert_close(out[9:], clean[9:], rtol=1e-6, atol=1e-6)
