@@ -16,6 +16,8 @@ Each bound is reached: one strip frame, S frames of m x m, thin strips of 1 x (w
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -90,9 +92,11 @@ class VisionGeometry:
             return None
         return self.window_size // self.patch_size // self.spatial_merge_size
 
+    @functools.lru_cache(maxsize=1024)
     def bounds(self, token_budget: int, max_items: int, max_frames: int | None = None) -> GeometryBounds:
         """Upper bounds for a call of at most ``token_budget`` patches, ``max_items`` items and ``max_frames``
-        frames in all (default: one per item). Windows are those of ``window_size`` (none: 0)."""
+        frames in all (default: one per item). Windows are those of ``window_size`` (none: 0). Cached: the
+        geometry and the result are frozen, and every config and bounds pass asks for the same budgets."""
         if token_budget <= 0 or max_items <= 0:
             raise ValueError(f"token_budget ({token_budget}) and max_items ({max_items}) must be positive")
         frames = max_items if max_frames is None else max_frames
