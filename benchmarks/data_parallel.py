@@ -7,8 +7,11 @@ requests of exactly 4 images (the same trace generator, filtered) timed one by o
 request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
 (``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
 
-    python benchmarks/data_parallel.py --ranks 1 2 --json benchmarks/results/data_parallel_h200x2.json
-    python benchmarks/data_parallel.py --device cpu --tiny --json /tmp/dp.json   # gloo, toy tower: checks the flow
+With ``--vlm-requests N``, also the whole Qwen2.5-VL-7B (language model replicated on every rank, vision tower
+data-parallel): time to first token of ``ttft.py``'s first N requests, per group size.
+
+    python benchmarks/data_parallel.py --ranks 1 2 --vlm-requests 32 --json benchmarks/results/data_parallel_h200x2.json
+    python benchmarks/data_parallel.py --device cpu --tiny --vlm-requests 4 --json /tmp/dp.json   # gloo, toy sizes
 """
 
 from __future__ import annotations
@@ -62,15 +65,11 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rank(rank: int, ranks: int, directory: str, args) -> None:
-    """One rank of one group: warm up, run the trace back to back, time the 4-image requests; rank 0 writes."""
-    from vgraph_compile.models.qwen_towers import qwen_tower
-
+def _join(rank: int, ranks: int, directory: str, args) -> tuple[torch.device, torch.dtype]:
+    """Join the group (NCCL on GPU ``rank``, or gloo); the device and dtype this rank runs."""
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=f"file://{directory}/init",
@@ -78,6 +77,28 @@ def _rank(rank: int, ranks: int, directory: str, args) -> None:
         world_size=ranks,
         timeout=datetime.timedelta(minutes=10),
     )
+    return torch.device(f"cuda:{rank}" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+
+
+def _write(directory: str, report: dict[str, Any]) -> None:
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "report.json"), "w") as handle:
+            json.dump(report, handle)
+
+
+def _slowest(latencies: list[float]) -> list[float]:
+    """Per request, the slowest rank's latency (every rank started it after a common barrier)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, latencies)
+    return [max(column) for column in zip(*every)]
+
+
+def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
+    """One rank of one group: warm up, run the trace back to back, time the 4-image requests; rank 0 writes."""
+    from vgraph_compile.models.qwen_towers import qwen_tower
+
+    device, dtype = _join(rank, ranks, directory, args)
+    cuda = device.type == "cuda"
     try:
         start = time.perf_counter()
         tower = qwen_tower("qwen2.5-vl", device=device, dtype=dtype, **(TINY_TOWER if args.tiny else {}))
@@ -112,11 +133,8 @@ def _rank(rank: int, ranks: int, directory: str, args) -> None:
                 compiled(pixel_values, grid_thw)
                 _synchronize(device)
                 latencies.append((time.perf_counter() - begin) * 1e3)
-        every = [None] * ranks
-        dist.all_gather_object(every, latencies)
-        slowest = [max(column) for column in zip(*every)]
         patches = sum(t * h * w for grid in requests for t, h, w in grid)
-        summary = Result(latencies_ms=slowest).summary()
+        summary = Result(latencies_ms=_slowest(latencies)).summary()
         report.update(
             requests=len(requests),
             patches=patches,
@@ -127,9 +145,51 @@ def _rank(rank: int, ranks: int, directory: str, args) -> None:
             peak_mem_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
             stats=compiled.stats_table(),
         )
-        if rank == 0:
-            with open(os.path.join(directory, "report.json"), "w") as handle:
-                json.dump(report, handle)
+        _write(directory, report)
+    finally:
+        dist.destroy_process_group()
+
+
+def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
+    """One rank of one group serving the whole Qwen2.5-VL-7B, its language model replicated: ``ttft.py``'s
+    request trace through the real image processor, each request's time to first token after a common barrier
+    (the slowest rank's), after one warm-up pass; rank 0 writes."""
+    import ttft
+
+    from vgraph_compile.hf import compile_vlm
+    from vgraph_compile.models.qwen_vlms import image_processor, model_inputs, qwen_vlm
+
+    device, dtype = _join(rank, ranks, directory, args)
+    try:
+        start = time.perf_counter()
+        setting = ttft.SETTINGS["tiny" if args.tiny else "real"]
+        model = qwen_vlm("qwen2.5-vl", tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+        processor = image_processor(model.config, max_patches=setting["max_patches"])
+        requests = ttft.trace(args.seed, args.vlm_requests, setting["sides"], setting["video"])
+        batches = [model_inputs(model, [request], processor, device) for request in requests]
+        compile_vlm(model, process_group=dist.group.WORLD if ranks > 1 else None, **setting["options"])
+        with torch.inference_mode():
+            for inputs in batches:
+                ttft.timed_generate(model, inputs, 1, device)
+            warmup_s = time.perf_counter() - start
+            latencies, tokens = [], []
+            for inputs in batches:
+                dist.barrier()
+                out, ms = ttft.timed_generate(model, inputs, 1, device)
+                latencies.append(ms)
+                tokens.append(out[:, -1].tolist())
+        summary = Result(latencies_ms=_slowest(latencies)).summary()
+        _write(
+            directory,
+            {
+                "requests": len(batches),
+                "warmup_s": round(warmup_s, 1),
+                "ttft_p50_ms": summary["p50_ms"],
+                "ttft_p99_ms": summary["p99_ms"],
+                "ttft_mean_ms": summary["mean_ms"],
+                "first_tokens": tokens,
+            },
+        )
     finally:
         dist.destroy_process_group()
 
@@ -147,10 +207,10 @@ def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.
     return max(float((a.float() - b.float()).abs().max()) for a, b in fields)
 
 
-def run_group(ranks: int, args) -> dict[str, Any]:
-    """One fresh group of ``ranks`` processes: rank 0's report."""
+def run_group(target, ranks: int, args) -> dict[str, Any]:
+    """One fresh group of ``ranks`` processes running ``target``: rank 0's report."""
     with tempfile.TemporaryDirectory() as directory:
-        torch.multiprocessing.spawn(_rank, args=(ranks, directory, args), nprocs=ranks)
+        torch.multiprocessing.spawn(target, args=(ranks, directory, args), nprocs=ranks)
         with open(os.path.join(directory, "report.json")) as handle:
             return json.load(handle)
 
@@ -162,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tiny", action="store_true", help="the toy tower, smaller images (for the CPU)")
     parser.add_argument("--requests", type=int, default=64, help="trace requests run back to back")
     parser.add_argument("--latency-requests", type=int, default=64, help="4-image requests timed one by one")
+    parser.add_argument("--vlm-requests", type=int, default=0, help="also: the whole VLM's TTFT over this many requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
@@ -178,8 +239,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "groups": {},
     }
     for ranks in args.ranks:
-        report["groups"][str(ranks)] = run_group(ranks, args)
+        report["groups"][str(ranks)] = run_group(_tower_rank, ranks, args)
         print(f"{ranks} rank(s): {report['groups'][str(ranks)]}", flush=True)
+    if args.vlm_requests:
+        report["vlm"] = {str(ranks): run_group(_vlm_rank, ranks, args) for ranks in args.ranks}
+        first = report["vlm"][str(args.ranks[0])]["first_tokens"]
+        for ranks, group in report["vlm"].items():
+            group["first_tokens_equal_to_first_group"] = sum(a == b for a, b in zip(group.pop("first_tokens"), first))
+            print(f"whole VLM, {ranks} rank(s): {group}", flush=True)
     if "1" in report["groups"]:
         one = report["groups"]["1"]["requests_per_s"]
         report["throughput_vs_1_rank"] = {

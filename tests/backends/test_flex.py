@@ -56,16 +56,17 @@ def test_document_mask_tiles_equal_create_block_mask(lengths, padding):
     assert _tiles(flex.document_mask(ids)) == _tiles(expected)
 
 
-def test_flex_traces_as_one_graph_and_offsets_do_not_retrace():
-    """Segment ids, BlockMask and attention trace as one graph (the compiled CUDA path); new offsets of the same
-    shape reuse it. ``aot_eager``: the CPU flex template of torch 2.11-2.13 cannot lower this ``mask_mod``."""
+def test_compiled_kernel_takes_each_calls_mask_without_retracing():
+    """The CUDA path: a BlockMask built per call from the offsets goes into one compiled ``flex_attention``; new
+    offsets of the same shape reuse its graph. ``aot_eager``: the CPU flex template of torch 2.11-2.13 cannot lower
+    this ``mask_mod``."""
     torch._dynamo.reset()
-    compiled = torch.compile(flex._attend, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(flex.flex_attention, fullgraph=True, backend="aot_eager")
     q, k, v = (torch.randn(300, 2, 8) for _ in range(3))
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for lengths in ([5, 0, 125, 1, 159], [1, 1, 1, 296, 1], [0, 0, 300, 0, 0]):
         cu, end = _offsets(lengths), sum(lengths)
-        out, expected = compiled(q, k, v, cu, None)[:end], segment_reference(q, k, v, cu)[:end]
+        out, expected = flex._attend(q, k, v, cu, None, compiled)[:end], segment_reference(q, k, v, cu)[:end]
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 1
 

@@ -88,8 +88,7 @@ def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
 
 
 def _flex_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
-    """CPU only: on CUDA (torch 2.11) its compiled kernel disagreed with the float64 reference (BENCHMARKS.md)."""
-    return device.type == "cpu" and dtype.is_floating_point
+    return dtype.is_floating_point
 
 
 def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:

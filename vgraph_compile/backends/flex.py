@@ -12,10 +12,13 @@ attention, so nothing is built on the host and nothing goes stale across CUDA gr
   ``mask_mod`` compares segment ids inside partial tiles. Its query-side tiles (``compute_q_blocks``) serve only
   the backward pass and are skipped: their ``vmap`` fails when the op runs under AOT autograd's runtime modes.
 
-On CUDA that function runs through ``torch.compile`` (one fused Triton kernel; the first call of a shape compiles,
-so it belongs to the warm-up run before capture; later calls with other offsets reuse it). On the CPU it runs
-eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured tensor, and the
-eager path is the exact unfused computation. A masked tile still multiplies masked values by a zero weight, so k/v
+The mask is built by plain device ops (captured with the rest of a bucket's graph). On CUDA ``flex_attention``
+itself runs through ``torch.compile`` (one Triton kernel; the first call of a shape compiles, so it belongs to the
+warm-up run before capture; later calls with other offsets reuse it). Compiling the mask's construction together
+with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment straddling a tile edge next to the padding
+block) although the tiles equal ``create_block_mask``'s; built outside, the same mask gives the exact result. On the
+CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured
+tensor, and the eager path is the exact unfused computation. A masked tile still multiplies masked values by a zero weight, so k/v
 pass through ``segments.confine_nonfinite`` first: a NaN/Inf in one segment reaches no other.
 """
 
@@ -62,17 +65,17 @@ def document_mask(ids: torch.Tensor) -> BlockMask:
     )
 
 
-def _attend(q, k, v, cu_seqlens, scale):
+def _attend(q, k, v, cu_seqlens, scale, kernel):
     ids = segment_ids(cu_seqlens, q.shape[0])
     k, v, spill = confine_nonfinite(k, v, ids, cu_seqlens.shape[0])
     heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    out = flex_attention(*heads_first, block_mask=document_mask(ids), scale=scale)
+    out = kernel(*heads_first, block_mask=document_mask(ids), scale=scale)
     return out[0].transpose(0, 1) + spill
 
 
 @functools.cache
-def _compiled():
-    return torch.compile(_attend, fullgraph=True)
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, fullgraph=True)
 
 
 def attention(
@@ -80,10 +83,10 @@ def attention(
 ) -> torch.Tensor:
     with _functorch_enabled():
         if q.device.type != "cpu":
-            return _compiled()(q, k, v, cu_seqlens, scale)
+            return _attend(q, k, v, cu_seqlens, scale, _compiled_flex_attention())
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
-            return _attend(q, k, v, cu_seqlens, scale)
+            return _attend(q, k, v, cu_seqlens, scale, flex_attention)
 
 
 _FUNCTORCH_KEYS = [
