@@ -2,7 +2,9 @@
 
 import logging
 
-from vgraph_compile.graphs.kernel_choice import fastest_kernel
+import torch
+
+from vgraph_compile.graphs.kernel_choice import _candidates, fastest_kernel
 
 
 def test_fastest_wins_failures_are_skipped_and_timings_cached(caplog):
@@ -37,3 +39,9 @@ def test_no_kernel_ran():
         raise RuntimeError("out of memory")
 
     assert fastest_kernel("k", ["torch_varlen"], {}, broken) is None
+
+
+def test_auto_never_times_the_reference_or_flex():
+    """Both run on the CPU in fp32, yet auto times neither (the reference is never fastest; flex compiles per
+    shape and was slowest on every measured shape)."""
+    assert _candidates(torch.device("cpu"), torch.float32) == []

@@ -38,6 +38,10 @@ class AttentionBackend:
     cu_seqlens; the ``lower_packed`` pass rewrites sites for it."""
     package: tuple[str, str] | None = None
     """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
+    timed_by_auto: bool = True
+    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``graphs/kernel_choice.py``). Not: the
+    CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
+    kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
     head_dims: tuple[int, ...] | None = None
     """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
     output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
@@ -87,10 +91,6 @@ def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def _flex_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
-    return dtype.is_floating_point
-
-
 def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
     """cuDNN's fused attention: a cuDNN build of torch and an sm80+ GPU."""
     import torch
@@ -103,14 +103,14 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
 
 
 BACKENDS: dict[str, AttentionBackend] = {
-    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True),
+    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
     "cudnn": AttentionBackend("cudnn", "cudnn", _cudnn_attention, package=("cudnn", "nvidia-cudnn-frontend")),
     "flashinfer": AttentionBackend(
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
     "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
-    "flex": AttentionBackend("flex", "flex", _flex_attention),
+    "flex": AttentionBackend("flex", "flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False),
 }
 
 

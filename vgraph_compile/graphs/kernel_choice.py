@@ -53,7 +53,7 @@ class GroupShape:
 def _candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
     names = []
     for name, backend in backends.BACKENDS.items():
-        if backend.packed or name == "sdpa":  # sdpa: the CPU reference, never the fastest on a GPU
+        if backend.packed or not backend.timed_by_auto:
             continue
         try:
             backends.resolve(name, device, dtype)
