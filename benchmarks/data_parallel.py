@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tiny", action="store_true", help="the toy tower, smaller images (for the CPU)")
     parser.add_argument("--requests", type=int, default=64, help="trace requests run back to back")
     parser.add_argument("--latency-requests", type=int, default=64, help="4-image requests timed one by one")
-    parser.add_argument("--vlm-requests", type=int, default=0, help="also: the whole VLM's TTFT over this many requests")
+    parser.add_argument("--vlm-requests", type=int, default=0, help="also the whole VLM's TTFT, on this many requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)

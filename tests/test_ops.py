@@ -86,12 +86,19 @@ def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
         varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="packed_reference")
 
 
-@pytest.mark.parametrize("name, package", [("cudnn", "nvidia-cudnn-frontend"), ("flashinfer", "flashinfer-python")])
-def test_missing_optional_kernel_names_its_pip_package(name, package):
+@pytest.mark.parametrize(
+    "name, module, package",
+    [
+        ("cudnn", "cudnn", "nvidia-cudnn-frontend"),
+        ("flashinfer", "flashinfer", "flashinfer-python"),
+        ("fa4", "flash_attn", "flash-attn-4"),
+    ],
+)
+def test_missing_optional_kernel_names_its_pip_package(name, module, package):
     import importlib.util
 
-    if importlib.util.find_spec(name) is not None:
-        pytest.skip(f"{name} is installed")
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
     with pytest.raises(ValueError, match=f"needs the optional package {package}: pip install {package}"):
         backends.resolve(name, torch.device("cuda"), torch.bfloat16)
 

@@ -54,8 +54,9 @@ class VGraphConfig:
     max_segments: int | None = None
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
     attention_backend: AttentionBackendName = "auto"
-    """Kernel behind every varlen-attention site; auto: FlashAttention-2 for fp16/bf16 on CUDA, else SDPA.
-    flashinfer (cuDNN) and packed_reference (its CPU reference) read packed [Q/K/O | V] element offsets."""
+    """Kernel behind every varlen-attention site; auto: on CUDA the fastest installed kernel per attention group,
+    timed at warm-up (graphs/kernel_choice.py), else SDPA. flashinfer (cuDNN) and packed_reference (its CPU
+    reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
     compiler: Literal["inductor", "eager"] = "inductor"

@@ -4,9 +4,10 @@ Every backend computes the same function on packed ``[tokens, heads, head_dim]``
 (``cu_seqlens[i] <= row < cu_seqlens[i + 1]``) attend to the rows of the same segment only. Rows at or past
 ``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
 never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels that
-multiply across segments under a mask (``sdpa``, ``flex``) pass k/v through ``segments.confine_nonfinite``; the
-varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``) read each segment's own rows only. Backends must
-not synchronise with the host: they run inside captured CUDA graphs.
+multiply across segments under a mask (``sdpa``, ``flex``, and ``fa4``, whose key tiles cross segment edges) pass
+k/v through ``segments.confine_nonfinite``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
+read each segment's own rows only. Backends must not synchronise with the host: they run inside captured CUDA
+graphs.
 
 Optional kernels are imported lazily, so a missing package is reported when that backend is chosen, not at import.
 """
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING, Callable, Literal
 if TYPE_CHECKING:
     import torch
 
-AttentionBackendName = Literal["auto", "sdpa", "torch_varlen", "cudnn", "flashinfer", "packed_reference", "flex"]
+AttentionBackendName = Literal[
+    "auto", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
+]
 """Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
 
 
@@ -75,6 +78,14 @@ class AttentionBackend:
             prepare(device)
 
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` (dotted names too) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def _cuda_half(device: "torch.device", dtype: "torch.dtype") -> bool:
     import torch
 
@@ -89,6 +100,12 @@ def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
     import torch
 
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def _hopper_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
+    import torch
+
+    return _cuda_half_kernel(device, dtype) and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
@@ -106,6 +123,13 @@ BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
     "cudnn": AttentionBackend("cudnn", "cudnn", _cudnn_attention, package=("cudnn", "nvidia-cudnn-frontend")),
+    "fa4": AttentionBackend(
+        "fa4",
+        "fa4",
+        _hopper_half_kernel,
+        package=("flash_attn.cute", "flash-attn-4"),
+        head_dims=tuple(range(8, 257, 8)),
+    ),
     "flashinfer": AttentionBackend(
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
@@ -126,14 +150,14 @@ def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> Attentio
             f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
         )
     backend = BACKENDS[name]
-    if backend.package is not None and importlib.util.find_spec(backend.package[0]) is None:
+    if backend.package is not None and not _installed(backend.package[0]):
         raise ValueError(
             f"attention backend {name!r} needs the optional package {backend.package[1]}: "
             f"pip install {backend.package[1]}"
         )
     if not backend.supports(device, dtype):
         raise ValueError(
-            f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa needs "
-            "CUDA and fp16/bf16 (cudnn: an sm80+ GPU); use attention_backend='auto' or 'sdpa'"
+            f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa and flex "
+            "needs CUDA and fp16/bf16 (cudnn: an sm80+ GPU, fa4: sm90+); use attention_backend='auto' or 'sdpa'"
         )
     return backend

@@ -18,8 +18,8 @@ warm-up run before capture; later calls with other offsets reuse it). Compiling 
 with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment straddling a tile edge next to the padding
 block) although the tiles equal ``create_block_mask``'s; built outside, the same mask gives the exact result. On the
 CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured
-tensor, and the eager path is the exact unfused computation. A masked tile still multiplies masked values by a zero weight, so k/v
-pass through ``segments.confine_nonfinite`` first: a NaN/Inf in one segment reaches no other.
+tensor, and the eager path is the exact unfused computation. A masked tile still multiplies masked values by a
+zero weight, so k/v pass through ``segments.confine_nonfinite`` first: a NaN/Inf in one segment reaches no other.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def document_mask(ids: torch.Tensor) -> BlockMask:
 
 def _attend(q, k, v, cu_seqlens, scale, kernel):
     ids = segment_ids(cu_seqlens, q.shape[0])
-    k, v, spill = confine_nonfinite(k, v, ids, cu_seqlens.shape[0])
+    k, v, spill = confine_nonfinite(k, v, cu_seqlens, ids)
     heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
     out = kernel(*heads_first, block_mask=document_mask(ids), scale=scale)
     return out[0].transpose(0, 1) + spill

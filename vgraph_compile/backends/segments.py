@@ -3,12 +3,13 @@
 A masked kernel still multiplies across segments: a masked score is ``-inf`` only if it was finite before the
 mask was added, and a zero attention weight times a NaN or Inf value is NaN. ``confine_nonfinite`` removes both
 leaks: the kernel gets k/v with every non-finite entry replaced by 0, which a masked pair then multiplies by an
-exact zero weight, and the non-finite values are added back to their own segment's rows only.
+exact zero weight, and the segment that held them gets NaN in that head, on its own rows only.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def segment_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
@@ -19,16 +20,20 @@ def segment_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def confine_nonfinite(
-    k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, segments: int
+    k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(k, v, spill)``: k and v with non-finite entries zeroed, and the ``[rows, heads, head_dim]`` term to add
-    to the kernel's output so those values reach their own segment (``ids``, ``segments`` ids in all) and no other.
+    """``(k, v, spill)``: k and v with non-finite entries zeroed, and the ``[rows, heads, 1]`` term to add to the
+    kernel's output: NaN on every row of a segment whose k or v holds a NaN/Inf in that head, exactly 0 elsewhere
+    (``ids``: each row's segment, as ``segment_ids`` gives; the rows past ``cu_seqlens[-1]`` form one more).
 
-    Per segment and head, ``spill`` is NaN where the segment's k holds a NaN/Inf (its scores are undefined), else
-    the sum of the segment's non-finite v entries per column (NaN, or +-Inf as a positive weight times Inf gives),
-    else exactly 0, so the other segments' rows come out bit-identical to a run on clean input.
+    So the other segments' rows come out bit-identical to a run on clean input, and a poisoned segment's head is
+    NaN wherever its attention is (a non-finite k makes its scores undefined; a non-finite v reaches every row).
+    The per-segment test is a prefix sum over rows of per-row flags: one pass over k and v, no atomics.
     """
-    bad_keys = ~torch.isfinite(k).all(-1, keepdim=True)
-    spill = torch.where(torch.isfinite(v), 0.0, v) + torch.where(bad_keys, float("nan"), 0.0).to(v.dtype)
-    per_segment = spill.new_zeros((segments, *spill.shape[1:])).index_add_(0, ids, spill)
-    return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), per_segment[ids]
+    rows = k.shape[0]
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    counts = F.pad(bad.to(torch.int32).cumsum(0, dtype=torch.int32), (0, 0, 1, 0))
+    bounds = F.pad(cu_seqlens, (0, 1), value=rows).long()
+    poisoned = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
+    spill = torch.where(poisoned[ids], float("nan"), 0.0).to(v.dtype).unsqueeze(-1)
+    return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), spill
