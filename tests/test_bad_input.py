@@ -51,10 +51,16 @@ def test_served_encoder_refuses_before_any_graph_runs(served, case):
 
 
 @pytest.mark.parametrize("case", sorted(FIRST_CALL))
-def test_first_call_refuses_with_the_same_kind_of_error(case):
+def test_first_call_refuses_before_anything_is_built(case):
+    """Raised at trace time or by the first call's checks, before the compile and the buckets; a good call then
+    builds, serves and takes the dynamo-free path."""
     torch._dynamo.reset()
     compiled = vgraph_compile.encoder(MODEL, token_budgets=(16, 64), max_segments=4, compiler="eager")
     args, _ = CASES[case]
+    built = counters.buckets_built
     with torch.no_grad(), pytest.raises(ValueError, match="cu_seqlens|patches|max_seqlen"):
         compiled(*args)
-    assert all(runtime.hits == 0 for runtime in compiled.vgraph.runtimes)  # raised at trace time or before a fill
+    assert counters.buckets_built == built
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(PATCHES, CU, MAX_SEQLEN), MODEL(PATCHES, CU, MAX_SEQLEN))
+    assert counters.buckets_built == built + 2 and compiled.traced

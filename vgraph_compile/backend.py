@@ -68,8 +68,10 @@ def _trace_signature(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dic
 class VGraphBackend:
     """The vgraph backend with a fixed config; keeps the runtimes it built, in order."""
 
-    def __init__(self, config: VGraphConfig | None = None) -> None:
+    def __init__(self, config: VGraphConfig | None = None, keep_first_outputs: bool = False) -> None:
         self.config = config or VGraphConfig()
+        self.keep_first_outputs = keep_first_outputs
+        """Runtimes keep their first call's outputs (for ``vgraph_compile.encoder`` to map its return value)."""
         self.runtimes: list[VGraphRuntime] = []
         self._static_warned = False
 
@@ -123,7 +125,7 @@ class VGraphBackend:
         counters.traces += 1
         self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
-        runtime = VGraphRuntime(build(gm, ctx), ctx, sources)
+        runtime = VGraphRuntime(lambda: build(gm, ctx), ctx, sources, self.keep_first_outputs)
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
         return runtime

@@ -68,7 +68,7 @@ class CompiledEncoderFunction:
 
     def __init__(self, target: Callable[..., Any], config: VGraphConfig) -> None:
         self.target = target
-        self.vgraph = VGraphBackend(config)
+        self.vgraph = VGraphBackend(config, keep_first_outputs=True)
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
         self._hot: _HotPath | None = None
@@ -103,7 +103,6 @@ class CompiledEncoderFunction:
             if result is not NotImplemented:
                 return result
         with self._trace_lock:
-            known = len(self.vgraph.runtimes)
             try:
                 with trace_options(args):
                     result = self._compiled(*args, **kwargs)
@@ -113,7 +112,7 @@ class CompiledEncoderFunction:
                 raise
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 return self._over_recompile_limit(args, kwargs)
-            if self._hot is None and len(self.vgraph.runtimes) > known:
+            if self._hot is None and self.vgraph.runtimes:  # the runtime that served this call's trace
                 self._hot = self._hot_path(self.vgraph.runtimes[-1], args, kwargs, result)
         return result
 

@@ -262,8 +262,8 @@ def test_packed_offsets_input_is_padded_half_by_half(packed_model, lengths):
 
 
 def test_metadata_refill_sees_in_place_changes_and_other_buckets(model, compiled):
-    """A cu_seqlens tensor passed again is re-copied when it was modified in place, or when another bucket wrote
-    the shared storage since; only an unchanged tensor into an untouched buffer skips the copy."""
+    """A cu_seqlens tensor passed again is re-copied when it was modified in place (through torch, or through
+    numpy, which leaves its version counter alone), or when another bucket wrote the shared storage since."""
     patches, cu, _ = pack_images([5, 7], 12)
     with torch.no_grad():
         torch.testing.assert_close(compiled(patches, cu, 7), model(patches, cu, 7), rtol=1e-5, atol=1e-5)
@@ -271,6 +271,10 @@ def test_metadata_refill_sees_in_place_changes_and_other_buckets(model, compiled
         torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
         compiled(*pack_images([6, 6], 12))  # the same bucket, other offsets, in the shared buffer
         torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
+        version = cu._version
+        cu.numpy()[1] = 8  # segments of 8 and 4 rows; the version counter does not move
+        assert cu._version == version
+        torch.testing.assert_close(compiled(patches, cu, 8), model(patches, cu, 8), rtol=1e-5, atol=1e-5)
 
 
 def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):

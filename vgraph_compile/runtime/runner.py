@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import sympy
 import torch
@@ -49,11 +49,11 @@ class _Miss:
 class _Plan:
     """What a call's sizes decide, computed once per distinct sizes (sympy stays off the hot path)."""
 
+    key: tuple[int, ...]
     sizes: dict[sympy.Symbol, int]
     tokens: int
     ends: dict[int, int]
     """Per offsets input (by index): the row count its last entry must equal, where the graph states one."""
-    bucket: "Bucket | None"
     narrow: tuple[tuple[tuple[int, int], ...] | int | None, ...]
     """Per output: (dim, real size) pairs to narrow a tensor to, its value for an int output, or None."""
 
@@ -76,17 +76,25 @@ class _TensorContract:
 class VGraphRuntime:
     """Token-budget buckets for one dynamo trace, and the eager trace as fallback."""
 
-    def __init__(self, encoder: CompiledEncoder, ctx: PassContext, sources: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        build: Callable[[], CompiledEncoder],
+        ctx: PassContext,
+        sources: Sequence[Any],
+        keep_first_outputs: bool = False,
+    ) -> None:
         self.serial = next(_SERIALS)
         self.name = f"vgraph encoder #{self.serial}"
-        self.encoder = encoder
+        self._build = build
+        self._encoder: CompiledEncoder | None = None
+        self._build_lock = threading.Lock()
         self.spec = ctx.spec
         self.config = ctx.config
         self.device = ctx.device
         self.misses: dict[str, _Miss] = {}
         self._plans: dict[tuple[int, ...], _Plan] = {}
-        self._filled: dict[int, tuple[int, torch.Tensor, int]] = {}
-        """Per buffered input: (bucket budget, source tensor, its version) of the last fill (see ``_fill``)."""
+        self._chosen: dict[tuple[int, ...], Bucket | None] = {}
+        """The bucket chosen per call sizes, kept once the graphs are captured (a capture may drop buckets)."""
         self._lock = threading.Lock()
         self._done: torch.cuda.Event | None = None
         self._parameters_need_grad = any(
@@ -116,21 +124,30 @@ class VGraphRuntime:
         """The traced value of each input not read from the call's arguments (parameters, module state)."""
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
+        self._keep_first_outputs = keep_first_outputs
         self.first_outputs: list[Any] | None = None
-        """The outputs of the first call only (the decorator maps them to what the encoder returns, then drops
-        them); later calls keep no reference to their outputs."""
+        """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
+        encoder returns, then drops them); no other call's outputs are kept."""
+
+    @property
+    def encoder(self) -> CompiledEncoder:
+        """The compiled graph and its buckets, built at the first call that passes validation (so bad input is
+        refused before anything compiles)."""
+        if self._encoder is None:
+            with self._build_lock:
+                if self._encoder is None:
+                    self._encoder = self._build()
+        return self._encoder
 
     @property
     def buckets(self) -> list[Bucket]:
         return self.encoder.buckets
 
     def warmup(self) -> bool:
-        """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured:
-        the plans made before it are dropped, since a bucket dropped at capture must never be chosen."""
+        """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured."""
         if self.encoder.captured:
             return False
         self.encoder.warmup()
-        self._plans.clear()
         return True
 
     # -- per call ----------------------------------------------------------------------------------------------
@@ -161,7 +178,7 @@ class VGraphRuntime:
             if group.ends_at is not None
         }
         tokens = evaluate(self.spec.token_rows, sizes, "the token rows")
-        plan = _Plan(sizes, tokens, ends, self._choose(sizes), tuple(narrow))
+        plan = _Plan(key, sizes, tokens, ends, tuple(narrow))
         if len(self._plans) >= _PLAN_CACHE_SIZE:
             self._plans.clear()
         self._plans[key] = plan
@@ -226,12 +243,16 @@ class VGraphRuntime:
             elif real > value:
                 yield symbol, real, value
 
-    def _choose(self, sizes: dict[sympy.Symbol, int]) -> Bucket | None:
-        """The smallest bucket no size of the call exceeds."""
-        for bucket in self.buckets:
-            if next(self._violating(bucket.shape, sizes), None) is None:
-                return bucket
-        return None
+    def _choose(self, plan: _Plan) -> Bucket | None:
+        """The smallest bucket no size of the call exceeds; remembered per sizes once the graphs are captured."""
+        if plan.key in self._chosen:
+            return self._chosen[plan.key]
+        bucket = next((b for b in self.buckets if next(self._violating(b.shape, plan.sizes), None) is None), None)
+        if self.encoder.captured:
+            if len(self._chosen) >= _PLAN_CACHE_SIZE:
+                self._chosen.clear()
+            self._chosen[plan.key] = bucket
+        return bucket
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -256,25 +277,16 @@ class VGraphRuntime:
         return self._miss(reason, args, f" ({detail})")
 
     def _remember_first(self, outputs: list[Any]) -> None:
-        if self.serves == 0:
+        if self.serves == 0 and self._keep_first_outputs:
             self.first_outputs = outputs
         self.serves += 1
 
     def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
-        """Fill the bucket's buffers. A metadata input (offsets, indices: anything but token rows) that is the same
-        unmodified tensor this buffer was last filled from, for this bucket, is not copied again: a tower's
-        metadata for a grid is one cached tensor, so repeated grids skip those copies. Token rows, and inference
-        tensors (which keep no version counter), are always copied.
-        """
+        """Fill every buffer of the bucket from this call's arguments. Metadata is copied on every call too: a
+        tensor can change without its version counter moving (writes through ``.numpy()`` or ``.data``, a reused
+        pinned staging buffer), so no copy is skipped."""
         for index, buffer in bucket.buffers.items():
-            value, role = args[index], self.encoder.roles[index]
-            if role is not Role.TOKENS and not value.is_inference():
-                source = (bucket.shape.budget, value, value._version)
-                last = self._filled.get(index)
-                if last is not None and last[0] == source[0] and last[1] is value and last[2] == source[2]:
-                    continue
-                self._filled[index] = source
-            fill(role, buffer, value)
+            fill(self.encoder.roles[index], buffer, args[index])
 
     @staticmethod
     def _narrow(outputs: Sequence[Any], plan: _Plan) -> list[Any]:
@@ -304,9 +316,8 @@ class VGraphRuntime:
         if changed:
             names = ", ".join(self.spec.describe_input(index) for index in changed)
             return self._miss(f"{names} differ from the values the graphs were built with", args)
-        if self.warmup():
-            plan = self._plan(args)  # chosen again among the buckets the capture kept
-        bucket = plan.bucket
+        self.warmup()
+        bucket = self._choose(plan)
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
         with self._lock, torch.no_grad() if grad else contextlib.nullcontext():
