@@ -116,6 +116,10 @@ class CallArguments:
     """The parameter names, when a call giving all of them positionally needs no ``Signature.bind``."""
     fingerprint: Any = None
 
+    def __post_init__(self) -> None:
+        self._read = [(index, read) for index, read in enumerate(self.readers) if read is not None]
+        """The inputs read per call (a few), apart from the bound ones (every parameter)."""
+
     @classmethod
     def from_trace(
         cls, sources: Sequence[Any], fixed: Sequence[Any], forward: Callable[..., Any]
@@ -166,7 +170,10 @@ class CallArguments:
             return None
         if {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()} != self.fingerprint:
             return None
-        return [fixed if read is None else read(local) for read, fixed in zip(self.readers, self.bound)]
+        inputs = self.bound.copy()
+        for index, read in self._read:
+            inputs[index] = read(local)
+        return inputs
 
 
 @dataclass(frozen=True)
