@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from vgraph_compile.graphs.kernel_choice import _candidates, fastest_kernel
+from vgraph_compile.graphs.kernel_choice import _candidates, fastest_kernel, load_timings, save_timings
 
 
 def test_fastest_wins_failures_are_skipped_and_timings_cached(caplog):
@@ -45,3 +45,15 @@ def test_auto_never_times_the_reference_or_flex():
     """Both run on the CPU in fp32, yet auto times neither (the reference is never fastest; flex compiles per
     shape and was slowest on every measured shape)."""
     assert _candidates(torch.device("cpu"), torch.float32) == []
+
+
+def test_timings_file_merges_writers_and_is_replaced_whole(tmp_path):
+    """Two processes' timings both survive; no temporary file is left; a corrupt file reads as empty."""
+    path = str(tmp_path / "cache" / "vgraph_kernels.json")
+    assert load_timings(path) == {}
+    save_timings(path, {"rank 0 shape": {"cudnn": 1.0}})
+    save_timings(path, {"rank 1 shape": {"torch_varlen": 2.0}})
+    assert load_timings(path) == {"rank 0 shape": {"cudnn": 1.0}, "rank 1 shape": {"torch_varlen": 2.0}}
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["vgraph_kernels.json"]
+    (tmp_path / "cache" / "vgraph_kernels.json").write_text("{half")
+    assert load_timings(path) == {}

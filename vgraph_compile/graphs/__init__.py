@@ -113,7 +113,7 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     for name, device in select_kernel.kernels_used(compiled_graph):
         backends.BACKENDS[name].prepare(device)
     bound = _bind_parameters(compiled_graph, ctx)
-    compiled, shapes = compile_once(compiled_graph, ctx, ctx.config)
+    compiled, shapes = compile_once(compiled_graph, ctx)
     placeholders = list(compiled_graph.graph.find_nodes(op="placeholder"))
     copied, sizes = {}, {}
     for role, node in zip(ctx.spec.inputs, placeholders):

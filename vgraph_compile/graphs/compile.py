@@ -21,7 +21,6 @@ import sympy
 import torch
 import torch.fx
 
-from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.passes.fx_utils import example_value, substitute
 from vgraph_compile.passes.spec import BucketShape, PassContext, Role
@@ -61,11 +60,9 @@ def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
     return None
 
 
-def compile_once(
-    gm: torch.fx.GraphModule, ctx: PassContext, config: VGraphConfig
-) -> tuple[CompiledFn, list[BucketShape]]:
+def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, list[BucketShape]]:
     """The compiled graph, and the buckets it may serve (every guard inductor added holds at their sizes)."""
-    if config.compiler == "eager":
+    if ctx.config.compiler == "eager":
         return (lambda inputs: gm(*inputs)), list(ctx.buckets)
     guards_before = len(ctx.shape_env.guards)
     start = time.perf_counter()

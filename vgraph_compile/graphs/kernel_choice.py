@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -128,11 +129,7 @@ def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]
     if ctx.config.attention_backend != "auto" or ctx.device.type != "cuda" or not ctx.buckets:
         return {}
     path = _cache_path()
-    try:
-        with open(path) as file:
-            cache = json.load(file)
-    except (OSError, ValueError):
-        cache = {}
+    cache = load_timings(path)
     chosen = {}
     for group, shape in _group_shapes(gm, ctx).items():
         names = _candidates(ctx.device, shape.dtype)
@@ -144,10 +141,29 @@ def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]
         if fastest is not None:
             chosen[group] = fastest
             log.info("attention group %d: %s (on %s)", group, fastest, shape)
+    save_timings(path, cache)
+    return chosen
+
+
+def load_timings(path: str) -> dict:
+    """The cached kernel timings (empty when the file is missing or unreadable)."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as file:
-            json.dump(cache, file, indent=1)
+        with open(path) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return {}
+
+
+def save_timings(path: str, timings: dict) -> None:
+    """Merge ``timings`` into the file, replaced atomically: processes starting together (one per rank) neither
+    read a half-written file nor drop each other's entries, except a key both timed (the last write wins)."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        merged = {**load_timings(path), **timings}
+        handle, scratch = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(merged, file, indent=1)
+        os.replace(scratch, path)
     except OSError as failure:
         log.info("kernel timings not cached: %s", failure)
-    return chosen
