@@ -104,21 +104,18 @@ def test_missing_optional_kernel_names_its_pip_package(name, module, package):
 
 
 def test_cudnn_backend_is_registered_and_validates_head_dim():
-    """``cudnn`` is a config-level kernel name; head dims cuDNN cannot take are refused with the fix."""
+    """``cudnn`` is a config-level kernel name; a head dim cuDNN cannot take is padded to one it can, or refused
+    with the fix."""
     from typing import get_args
 
-    from vgraph_compile.backends import cudnn
     from vgraph_compile.config import VGraphConfig
 
     assert "cudnn" in backends.BACKENDS and "cudnn" in get_args(backends.AttentionBackendName)
     assert VGraphConfig(attention_backend="cudnn").attention_backend == "cudnn"
-    cudnn.check_head_dim(72)
-    for head_dim in (70, 136):
-        with pytest.raises(ValueError, match=f"head_dim={head_dim}: pad q/k/v to the next multiple of 8"):
-            cudnn.check_head_dim(head_dim)
-    q = torch.zeros(4, 2, 70)
-    with pytest.raises(ValueError, match="head_dim=70"):
-        cudnn.attention(q, q, q, torch.tensor([0, 4], dtype=torch.int32), 4, None)
+    backend = backends.BACKENDS["cudnn"]
+    assert (backend.padded_head_dim(72), backend.padded_head_dim(70)) == (72, 72)  # the op pads 70 to 72
+    with pytest.raises(ValueError, match="'cudnn' runs head_dim up to 128, got 136: choose another"):
+        backend.padded_head_dim(136)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-6)])

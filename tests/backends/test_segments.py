@@ -60,8 +60,8 @@ def test_nonfinite_values_stay_in_their_segment(name, call):
 @given(call=poisoned_calls())
 def test_confine_nonfinite_spills_into_the_poisoned_segment_only(call):
     """The spill term is exactly zero outside the poisoned segment. Inside it: a non-finite k or v entry makes the
-    segment's rows NaN in that entry's head (where eager attention of the segment is non-finite too); q's rows
-    stay the kernel's."""
+    segment's rows NaN in that entry's head (even where eager attention happens to stay finite, such as an Inf
+    key of a one-row segment); q's rows stay the kernel's."""
     lengths, padding, poisoned, tensor, row, value = call
     _, (q, k, v), cu = isolation_case(lengths, padding, poisoned, tensor, row, value)
     ids = segment_ids(cu, q.shape[0])
@@ -74,6 +74,4 @@ def test_confine_nonfinite_spills_into_the_poisoned_segment_only(call):
     expected = torch.zeros_like(spill[start:end])
     if tensor != 0:
         expected[:, head] = float("nan")
-        eager = torch.nn.functional.scaled_dot_product_attention(*(t[start:end].transpose(0, 1) for t in (q, k, v)))
-        assert not eager[head].isfinite().all()
     torch.testing.assert_close(spill[start:end], expected, rtol=0, atol=0, equal_nan=True)

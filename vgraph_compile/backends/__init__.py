@@ -122,13 +122,19 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
-    "cudnn": AttentionBackend("cudnn", "cudnn", _cudnn_attention, package=("cudnn", "nvidia-cudnn-frontend")),
+    "cudnn": AttentionBackend(
+        "cudnn",
+        "cudnn",
+        _cudnn_attention,
+        package=("cudnn", "nvidia-cudnn-frontend"),
+        head_dims=tuple(range(8, 129, 8)),
+    ),
     "fa4": AttentionBackend(
         "fa4",
         "fa4",
         _hopper_half_kernel,
         package=("flash_attn.cute", "flash-attn-4"),
-        head_dims=tuple(range(8, 257, 8)),
+        head_dims=tuple(range(8, 129, 8)),
     ),
     "flashinfer": AttentionBackend(
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")

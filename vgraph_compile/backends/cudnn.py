@@ -1,5 +1,6 @@
 """cuDNN's fused attention on ragged (THD) packed rows, through ``nvidia-cudnn-frontend``'s Python graph API
-(``pip install nvidia-cudnn-frontend``; CUDA sm80+, fp16/bf16, head_dim a multiple of 8 up to 128).
+(``pip install nvidia-cudnn-frontend``; CUDA sm80+, fp16/bf16, head_dim a multiple of 8 up to 128: the op pads
+other head dims, ``AttentionBackend.head_dims``).
 
 Invariants:
 - one cuDNN plan per (device, rows, heads, head_dim, segments, max_seqlen, dtype, scale), built with its
@@ -21,8 +22,6 @@ from typing import Any
 
 import torch
 
-HEAD_DIM_MULTIPLE = 8
-MAX_HEAD_DIM = 128
 
 _handles: dict[torch.device, Any] = {}
 _plans: dict[tuple, "_Plan"] = {}
@@ -48,16 +47,6 @@ def _cudnn():
             "attention_backend='cudnn' needs cuDNN's Python frontend: pip install nvidia-cudnn-frontend"
         ) from missing
     return cudnn
-
-
-def check_head_dim(head_dim: int) -> None:
-    """cuDNN's fused attention takes head dims that are multiples of 8, up to 128."""
-    if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
-        raise ValueError(
-            f"attention_backend='cudnn' needs head_dim a multiple of {HEAD_DIM_MULTIPLE} and at most "
-            f"{MAX_HEAD_DIM}, got head_dim={head_dim}: pad q/k/v to the next multiple of {HEAD_DIM_MULTIPLE}, or "
-            "use attention_backend='torch_varlen'"
-        )
 
 
 def prepare(device: torch.device) -> None:
@@ -112,7 +101,6 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None
 ) -> torch.Tensor:
     rows, heads, head_dim = q.shape
-    check_head_dim(head_dim)
     scale = head_dim**-0.5 if scale is None else scale
     segments = cu_seqlens.shape[0] - 1
     key = (q.device, rows, heads, head_dim, segments, max_seqlen, q.dtype, scale)

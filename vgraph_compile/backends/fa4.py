@@ -1,5 +1,6 @@
 """FlashAttention-4: the CuTe-DSL varlen forward of ``flash-attn-4`` (``pip install flash-attn-4``, which brings
-``nvidia-cutlass-dsl``; CUDA sm90+, fp16/bf16, head_dim a multiple of 8, up to 256 on sm90 and 128 on sm100).
+``nvidia-cutlass-dsl``; CUDA sm90+, fp16/bf16, head_dim a multiple of 8 up to 128, which sm90 and sm100 both run;
+the op pads other head dims).
 
 Invariants:
 - the first call of a shape JIT-compiles the kernel (seconds, cached per process), so it belongs to the warm-up

@@ -27,12 +27,12 @@ def confine_nonfinite(
     (``ids``: each row's segment, as ``segment_ids`` gives; the rows past ``cu_seqlens[-1]`` form one more).
 
     So the other segments' rows come out bit-identical to a run on clean input, and a poisoned segment's head is
-    NaN wherever its attention is (a non-finite k makes its scores undefined; a non-finite v reaches every row).
+    NaN: a NaN never passes, and an Inf is poisoned on purpose even where eager attention would stay finite.
     The per-segment test is a prefix sum over rows of per-row flags: one pass over k and v, no atomics.
     """
     rows = k.shape[0]
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
-    counts = F.pad(bad.to(torch.int32).cumsum(0, dtype=torch.int32), (0, 0, 1, 0))
+    counts = F.pad(bad.cumsum(0, dtype=torch.int32), (0, 0, 1, 0))
     bounds = F.pad(cu_seqlens, (0, 1), value=rows).long()
     poisoned = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
     spill = torch.where(poisoned[ids], float("nan"), 0.0).to(v.dtype).unsqueeze(-1)
