@@ -16,6 +16,7 @@ from vgraph_compile.models.packed_vit import pack_images
 from vgraph_compile.ops import varlen_attention
 from vgraph_compile.passes import align_matmuls, pass_manager
 from vgraph_compile.passes.align_matmuls import PADDED_SHAPE
+from vgraph_compile.passes.spec import user_name
 
 
 class GatedBlock(torch.nn.Module):
@@ -83,10 +84,12 @@ mul = mul: ['x.shape[0]', 64]
 linear_3 = linear: ['x.shape[0]', 16]
 add_1 = add: ['x.shape[0]', 16]""",
     )
-    padded = {node.name: node.meta[PADDED_SHAPE] for node in aligned.graph.nodes if PADDED_SHAPE in node.meta}
+    padded = {
+        user_name(node.name): node.meta[PADDED_SHAPE] for node in aligned.graph.nodes if PADDED_SHAPE in node.meta
+    }
     assert_expected_inline(
         str(padded),
-        """{'l_self_modules_gate_parameters_weight_': (64, 16), 'l_self_modules_gate_parameters_bias_': (64,), 'l_self_modules_up_parameters_weight_': (64, 16), 'l_self_modules_up_parameters_bias_': (64,), 'l_self_modules_down_parameters_weight_': (16, 64)}""",
+        """{'self.gate.weight': (64, 16), 'self.gate.bias': (64,), 'self.up.weight': (64, 16), 'self.up.bias': (64,), 'self.down.weight': (16, 64)}""",
     )
 
 

@@ -11,10 +11,14 @@ from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 from vgraph_compile.passes import fold_scalars, pass_manager
+from vgraph_compile.passes.spec import user_name
 
 
-def _layer_norm_lines(gm):
-    return "\n".join(node.format_node() for node in gm.graph.nodes if "layer_norm" in node.name)
+def _first_layer_norm(gm):
+    """The block's first ``layer_norm`` call, its inputs in the user's names."""
+    node = next(node for node in gm.graph.nodes if node.target is torch.nn.functional.layer_norm)
+    args = [user_name(arg.name) if isinstance(arg, torch.fx.Node) else repr(arg) for arg in node.args]
+    return f"layer_norm({', '.join(args)})"
 
 
 def test_item_of_a_scalar_input_becomes_its_traced_value():
@@ -25,12 +29,15 @@ def test_item_of_a_scalar_input_becomes_its_traced_value():
     pass_manager.analyze(gm, ctx)
     items = sum(node.op == "call_method" and node.target == "item" for node in gm.graph.nodes)
     assert items == 3  # the block's two norms and the final norm
+    assert_expected_inline(
+        _first_layer_norm(gm),
+        """layer_norm(x, (16,), self.blocks.0.norm1.weight, self.blocks.0.norm1.bias, item)""",
+    )
     folded = pass_manager.apply_pass("fold_scalars", fold_scalars.run, copy.deepcopy(gm), ctx)
     assert not any(node.op == "call_method" and node.target == "item" for node in folded.graph.nodes)
-    after = _layer_norm_lines(folded)
     assert_expected_inline(
-        after.splitlines()[0],
-        """%layer_norm : [num_users=1] = call_function[target=torch.nn.functional.layer_norm](args = (%x, (16,), %l_self_modules_blocks_modules_0_modules_norm1_parameters_weight_, %l_self_modules_blocks_modules_0_modules_norm1_parameters_bias_, 1e-05), kwargs = {})""",
+        _first_layer_norm(folded),
+        """layer_norm(x, (16,), self.blocks.0.norm1.weight, self.blocks.0.norm1.bias, 1e-05)""",
     )
     assert sorted(fold_scalars.folded(gm, ctx).values()) == [1e-05] * 3
 

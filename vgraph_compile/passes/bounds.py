@@ -20,8 +20,8 @@ Symbols covered:
 - feature widths and any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens):
   fixed at its traced value, never bounded by a guess; a call with another value fits no bucket (eager).
 Every guard dynamo recorded in the ShapeEnv must hold at the bucket's sizes, or the budget is refused with the
-guard that failed (e.g. a reshape needing a multiple of 4); a guard pinning a token symbol to a constant means
-the trace serves one size only (``StaticTokensError``). ``bound_sympy`` gives each output dim's range.
+guard that failed (e.g. a reshape needing a multiple of 4); a trace that pinned the token count to a constant is
+refused earlier, by discovery (``check_token_rows``). ``bound_sympy`` gives each output dim's range.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from vgraph_compile.passes.fx_utils import evaluate, substitute, traced_values
-from vgraph_compile.passes.spec import BucketShape, PassContext, StaticTokensError, VarlenSpec
+from vgraph_compile.passes.spec import BucketShape, PassContext, VarlenSpec
 
-__all__ = ["run", "solve_for", "window_groups", "token_caps", "output_ranges", "check_token_guards"]
+__all__ = ["run", "solve_for", "window_groups", "token_caps", "output_ranges"]
 
 log = logging.getLogger(__name__)
 
@@ -188,19 +188,6 @@ def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketSh
     return BucketShape(budget, values, tuple(segments), tuple(max_seqlen), fixed)
 
 
-def check_token_guards(ctx: PassContext) -> None:
-    """Refuse a trace whose guards pin a token symbol to a constant: it serves that size only."""
-    tokens = set(ctx.spec.token_symbols)
-    for _, expr in _guards(ctx):
-        if isinstance(expr, sympy.Eq) and (
-            (expr.lhs in tokens and expr.rhs.is_Integer) or (expr.rhs in tokens and expr.lhs.is_Integer)
-        ):
-            raise StaticTokensError(
-                f"the trace pinned the token count with the guard {ctx.spec.describe_expr(expr)} (a first call of "
-                "one token takes some paths that only hold at that size); the next call of another size retraces"
-            )
-
-
 def output_ranges(spec: VarlenSpec, bucket: BucketShape) -> list[list[ValueRanges]]:
     """Range of every output dim over the calls this bucket serves (``bound_sympy`` over [1, value])."""
     ranges = {symbol: ValueRanges(1, value) for symbol, value in bucket.values.items()}
@@ -208,8 +195,7 @@ def output_ranges(spec: VarlenSpec, bucket: BucketShape) -> list[list[ValueRange
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    check_token_guards(ctx)
-    windows = window_groups(ctx) if ctx.config.geometry is not None else set()
+    windows = window_groups(ctx)
     ctx.buckets = tuple(_bucket(ctx, budget, windows) for budget in ctx.config.budgets)
     unrelated = ctx.buckets[0].fixed - set(ctx.spec.features)
     if unrelated:

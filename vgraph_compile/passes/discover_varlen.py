@@ -182,12 +182,8 @@ def _offsets_input(site: Site, argument: str, inputs: Inputs) -> tuple[int, bool
             f"cu_seqlens input {name!r} is {value.dim()}-D: it must be 1-D [segments + 1], "
             f"the prefix sums of the segment lengths; flatten it (e.g. {name}.reshape(-1))"
         )
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise ValueError(
-            f"cu_seqlens input {name!r} is {value.dtype}: varlen kernels read int32 offsets; "
-            f"build it with dtype=torch.int32 ({name}.to(torch.int32))"
-        )
-    if not has_cumsum and value.dtype != torch.int32:
+    not_integer = value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool
+    if not_integer or (not has_cumsum and value.dtype != torch.int32):
         raise ValueError(
             f"cu_seqlens input {name!r} is {value.dtype}: varlen kernels read int32 offsets; "
             f"build it with dtype=torch.int32 ({name}.to(torch.int32))"
@@ -588,9 +584,6 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     found = find_sites(gm, inputs, simplify)
     features = _feature_sizes(inputs, simplify, shape_env)
     solved = {symbol: expr for symbol, expr in relations(gm, shape_env, simplify).items() if symbol not in features}
-
-    def reduce(expr):
-        return sympy.sympify(sympy.sympify(expr).xreplace(solved))
 
     def related(value) -> sympy.Expr:
         """A size with the trace's replacements and the graph's relations applied."""

@@ -6,6 +6,7 @@ All frozen and printable; passes read them, only ``discover_varlen`` and ``bound
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
@@ -21,8 +22,13 @@ class StaticTokensError(ValueError):
 
 
 def user_name(name: str) -> str:
-    """A graph input's name as the user wrote it (dynamo's ``l_x_`` -> ``x``)."""
-    return name[2:-1] if name.startswith("l_") and name.endswith("_") else name
+    """A graph input's name as the user wrote it: dynamo's ``l_x_`` -> ``x``, and a module's own state
+    ``l_self_modules_blocks_modules_0_parameters_weight_`` -> ``self.blocks.0.weight``."""
+    if name.startswith("l_") and name.endswith("_"):
+        name = name[2:-1]
+    if name.startswith("self_"):
+        name = re.sub(r"_(?:modules|parameters|buffers)_", ".", name)
+    return name
 
 
 class Role(str, enum.Enum):
