@@ -15,7 +15,6 @@ stock towers get: SDPA forced to cuDNN on a dense batch of equal-length segments
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import traceback
 from datetime import date
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from vgraph_compile import backends
-from vgraph_compile.bench import median_ms
+from vgraph_compile.bench import median_ms, write_report
 from vgraph_compile.ops import packed_varlen_attention, varlen_attention
 
 HEADS = 16
@@ -167,9 +166,7 @@ def run(kernels: list[str], repeats: int, plain: set[str], json_path: str | None
             if dense is not None:
                 results[DENSE] = dense
             print(key, {name: row.get("ms", row.get("error")) for name, row in results.items()}, flush=True)
-            if json_path:
-                with open(json_path, "w") as handle:
-                    json.dump(report, handle, indent=1)
+            write_report(report, json_path)
     return report
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from vgraph_compile.bench import CASES_PX, cuda_graph_captures, median_ms, to_grid
+from vgraph_compile.bench import CASES_PX, cuda_graph_captures, median_ms, to_grid, write_report
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.models.qwen_towers import qwen_tower
 
@@ -110,9 +110,7 @@ def main() -> None:
             }
     print(json.dumps(report, indent=1))
     print(tower.stats_table())
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.json)
 
 
 if __name__ == "__main__":

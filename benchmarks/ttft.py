@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vgraph_compile.bench import write_report
+from vgraph_compile.bench import Result, synchronize, write_report
 from vgraph_compile.hf import compile_vlm
 from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
 
@@ -41,7 +41,7 @@ SETTINGS = {
         video=dict(frames=4, size=(112, 112)),
         max_patches=128,
         decode_tokens=4,
-        options=dict(token_budgets=[64, 256], max_items=4, compiler="eager", attention_backend="sdpa"),
+        options=dict(token_budgets=[128, 512], max_items=4, compiler="eager", attention_backend="sdpa"),
     ),
 }
 
@@ -117,20 +117,13 @@ class TokenClock:
 
 def timed_generate(model, inputs: dict, new_tokens: int, device: torch.device, streamer=None):
     """``(tokens, milliseconds)`` of a greedy ``generate`` of exactly ``new_tokens`` tokens."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=streamer
     )
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return out, 1e3 * (time.perf_counter() - start)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 CHECKED = 4
@@ -200,10 +193,11 @@ def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], deco
     for name, sample in samples.items():
         model.model.visual = towers[name]
         ttft, vision = sample["ttft"], sample["vision"]
+        latency = Result(latencies_ms=ttft).summary()
         report[name] = {
-            "ttft_p50_ms": round(statistics.median(ttft), 2),
-            "ttft_p99_ms": round(percentile(ttft, 0.99), 2),
-            "ttft_mean_ms": round(statistics.fmean(ttft), 2),
+            "ttft_p50_ms": latency["p50_ms"],
+            "ttft_p99_ms": latency["p99_ms"],
+            "ttft_mean_ms": latency["mean_ms"],
             "vision_p50_ms": round(statistics.median(vision), 2),
             "vision_share": round(sum(vision) / sum(ttft), 3),
             "decode_tokens_per_s_p50": round(statistics.median(sample["decode"]), 1),
