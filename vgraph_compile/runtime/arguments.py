@@ -37,9 +37,7 @@ def source_name(source) -> str:
 
 def argument_rooted(source) -> bool:
     """Whether ``source`` reads from one of the traced frame's arguments (``self`` excluded)."""
-    while isinstance(source, dynamo_source.ChainedSource):
-        source = source.base
-    return isinstance(source, dynamo_source.LocalSource) and source.is_input and source.local_name != "self"
+    return dynamo_source.get_local_source_name(source, only_allow_input=True) not in (None, "self")
 
 
 class _Unsupported(Exception):
