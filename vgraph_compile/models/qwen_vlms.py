@@ -45,34 +45,23 @@ _QWEN2_7B_TEXT = dict(
 
 @dataclass(frozen=True)
 class Family:
-    module: str
+    """A VLM class of the tower family (the module is the tower's, ``REAL_SIZES``)."""
+
     model_class: str
     config_class: str
     text: dict
     """The released 7B/8B language model's config fields."""
     mrope_section: list[int]
-    tiny_mrope_section: list[int]
+    mrope_interleaved: bool = False
 
+
+TINY_MROPE_SECTION = [2, 3, 3]
+"""The multimodal rotary sections of the tiny models' 16-dim heads (every family)."""
 
 VLM_FAMILIES = {
-    "qwen2-vl": Family(
-        "transformers.models.qwen2_vl.modeling_qwen2_vl",
-        "Qwen2VLForConditionalGeneration",
-        "Qwen2VLConfig",
-        _QWEN2_7B_TEXT,
-        [16, 24, 24],
-        [2, 3, 3],
-    ),
-    "qwen2.5-vl": Family(
-        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-        "Qwen2_5_VLForConditionalGeneration",
-        "Qwen2_5_VLConfig",
-        _QWEN2_7B_TEXT,
-        [16, 24, 24],
-        [2, 3, 3],
-    ),
+    "qwen2-vl": Family("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", _QWEN2_7B_TEXT, [16, 24, 24]),
+    "qwen2.5-vl": Family("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", _QWEN2_7B_TEXT, [16, 24, 24]),
     "qwen3-vl": Family(
-        "transformers.models.qwen3_vl.modeling_qwen3_vl",
         "Qwen3VLForConditionalGeneration",
         "Qwen3VLConfig",
         dict(
@@ -86,7 +75,7 @@ VLM_FAMILIES = {
             rope_theta=5e6,
         ),
         [24, 20, 20],
-        [2, 3, 3],
+        mrope_interleaved=True,
     ),
 }
 """Qwen2-VL-7B, Qwen2.5-VL-7B and Qwen3-VL-8B: the language model sizes (the towers are ``REAL_SIZES``)."""
@@ -96,16 +85,19 @@ def qwen_vlm(family: str, tiny: bool = True, device="cpu", dtype=torch.float32, 
     """``*ForConditionalGeneration`` with random weights in eval mode, sdpa attention; ``tiny``: 2 text layers of
     width 64, a 2-block tower of width 32, vocabulary 512 (``TINY_IDS``); else the released sizes."""
     spec = VLM_FAMILIES[family]
-    module = importlib.import_module(spec.module)
-    toy = {**TOY_SIZES[family], MERGER_WIDTH[family]: _TINY_TEXT["hidden_size"]}
-    vision = {**REAL_SIZES[family][3], **(toy if tiny else {})}
+    module = importlib.import_module(REAL_SIZES[family][0])
     text = dict(_TINY_TEXT, vocab_size=512) if tiny else dict(spec.text)
+    vision = {  # the tower's merger feeds the language model: its output width is the text hidden size
+        **REAL_SIZES[family][3],
+        **(TOY_SIZES[family] if tiny else {}),
+        MERGER_WIDTH[family]: text["hidden_size"],
+    }
     rope = dict(
         rope_type="default",
         rope_theta=text.pop("rope_theta", 1e4),
-        mrope_section=spec.tiny_mrope_section if tiny else spec.mrope_section,
+        mrope_section=TINY_MROPE_SECTION if tiny else spec.mrope_section,
     )
-    if family == "qwen3-vl":
+    if spec.mrope_interleaved:
         rope["mrope_interleaved"] = True
     ids = {name: value for name, value in TINY_IDS.items() if name != "pad"} if tiny else {}
     torch.manual_seed(seed)
