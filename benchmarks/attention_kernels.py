@@ -22,9 +22,9 @@ from datetime import date
 import torch
 import torch.nn.functional as F
 
-from vgraph_compile import backends
+from vgraph_compile.kernels import registry
 from vgraph_compile.bench import median_ms, write_report
-from vgraph_compile.ops import packed_varlen_attention, varlen_attention
+from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
 
 HEADS = 16
 HEAD_DIMS = (80, 72)
@@ -64,7 +64,7 @@ def _inputs(lengths, rows, slots, head_dim):
 
 
 def _call(name: str):
-    backend = backends.BACKENDS[name]
+    backend = registry.BACKENDS[name]
     if not backend.packed:
         return lambda q, k, v, cu, m: varlen_attention(q, k, v, cu, m, backend=name)
 
@@ -126,11 +126,11 @@ def measure_dense(lengths, head_dim, repeats) -> dict | None:
 def available(device: torch.device) -> list[str]:
     """Backends that resolve on this device for bf16 (the CPU offset reference excluded)."""
     names = []
-    for name in backends.BACKENDS:
+    for name in registry.BACKENDS:
         if name == "packed_reference":
             continue
         try:
-            backends.resolve(name, device, torch.bfloat16)
+            registry.resolve(name, device, torch.bfloat16)
         except ValueError:
             continue
         names.append(name)

@@ -11,7 +11,7 @@ from torch._guards import detect_fake_mode
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import trace_options
-from vgraph_compile.passes.spec import PassContext
+from vgraph_compile.spec import PassContext
 
 
 def trace(
@@ -59,10 +59,10 @@ def segment_reference(q, k, v, cu_seqlens, scale=None) -> torch.Tensor:
 def run_backend(name: str, q, k, v, cu_seqlens, max_seqlen: int, scale=None) -> torch.Tensor:
     """``name``'s attention through its op: token ``cu_seqlens`` as they are, or, for a packed backend, the
     ``[Q/K/O | V]`` element offsets of contiguous q/k/v."""
-    from vgraph_compile import backends
-    from vgraph_compile.ops import packed_varlen_attention, varlen_attention
+    from vgraph_compile.kernels import registry
+    from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
 
-    if not backends.BACKENDS[name].packed:
+    if not registry.BACKENDS[name].packed:
         return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, backend=name)
     q, k, v = (t.contiguous() for t in (q, k, v))
     row = q.shape[1] * q.shape[2]

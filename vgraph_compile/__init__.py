@@ -7,12 +7,12 @@ specialize) -> one static inductor graph per token budget -> ``runtime`` (pad, r
 
 import logging
 
-from vgraph_compile.backend import VGraphBackend, runtimes, vgraph_backend
+from vgraph_compile.compile_backend import VGraphBackend, runtimes, vgraph_backend
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.decorator import encoder
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.ops import varlen_attention
+from vgraph_compile.kernels.ops import varlen_attention
 
 __all__ = [
     "VGraphBackend",

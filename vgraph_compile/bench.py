@@ -43,9 +43,9 @@ import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.tower import _TowerCall, compile_vision_tower
-from vgraph_compile.hf.towers import Grid, hidden_width, kind_of
-from vgraph_compile.runtime.runner import padded_fraction
+from vgraph_compile.hf.vision_tower import _TowerCall, compile_vision_tower
+from vgraph_compile.hf.tower_kinds import Grid, hidden_width, kind_of
+from vgraph_compile.serve.runtime import padded_fraction
 
 __all__ = [
     "main",

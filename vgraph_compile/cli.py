@@ -41,10 +41,10 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     """Trace ``module:factory`` (a callable returning ``(encoder, example_args)``) and print its spec."""
     import torch
 
-    from vgraph_compile.backend import VGraphBackend
+    from vgraph_compile.compile_backend import VGraphBackend
     from vgraph_compile.config import VGraphConfig
     from vgraph_compile.decorator import trace_options
-    from vgraph_compile.passes.bounds import output_ranges
+    from vgraph_compile.analyze.bounds import output_ranges
 
     module_name, _, attribute = spec.partition(":")
     if not attribute:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vgraph_compile.backends import BACKENDS, AttentionBackendName
+from vgraph_compile.kernels.registry import BACKENDS, AttentionBackendName
 from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["VGraphConfig", "generate_budgets"]

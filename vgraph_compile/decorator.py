@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from vgraph_compile.backend import VGraphBackend
+from vgraph_compile.compile_backend import VGraphBackend
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
-from vgraph_compile.runtime.arguments import CallArguments, OutputLayout
-from vgraph_compile.runtime.runner import VGraphRuntime
+from vgraph_compile.serve.arguments import CallArguments, OutputLayout
+from vgraph_compile.serve.runtime import VGraphRuntime
 
 __all__ = ["encoder", "trace_options", "CompiledEncoderFunction"]
 

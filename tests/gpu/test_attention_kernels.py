@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import segment_reference
-from vgraph_compile import backends
-from vgraph_compile.ops import varlen_attention
+from vgraph_compile.kernels import registry
+from vgraph_compile.kernels.ops import varlen_attention
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = [name for name, backend in backends.BACKENDS.items() if not backend.packed and name != "sdpa"]
+KERNELS = [name for name, backend in registry.BACKENDS.items() if not backend.packed and name != "sdpa"]
 ROWS, SLOTS, HEADS = 1536, 6, 4
 
 
@@ -24,7 +24,7 @@ def _offsets(lengths):
 
 def _kernel(name):
     try:
-        backends.resolve(name, torch.device("cuda"), torch.bfloat16)
+        registry.resolve(name, torch.device("cuda"), torch.bfloat16)
     except ValueError as reason:
         pytest.skip(str(reason))
     return lambda q, k, v, cu: varlen_attention(q, k, v, cu, ROWS, backend=name)

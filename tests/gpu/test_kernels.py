@@ -5,25 +5,25 @@ import pytest
 import torch
 from hypothesis import given
 
-from tests.backends.test_segments import check_isolation, poisoned_calls
+from tests.kernels.test_segments import check_isolation, poisoned_calls
 from tests.helpers import run_backend, segment_reference
-from vgraph_compile import backends
+from vgraph_compile.kernels import registry
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
 BF16_TOLERANCE = dict(rtol=2e-2, atol=2e-2)
-KERNELS = [(name, dtype) for name in backends.BACKENDS for dtype in (torch.bfloat16, torch.float32)]
+KERNELS = [(name, dtype) for name in registry.BACKENDS for dtype in (torch.bfloat16, torch.float32)]
 
 
 def _require(name, dtype):
     try:
-        backends.resolve(name, CUDA, dtype)
+        registry.resolve(name, CUDA, dtype)
     except ValueError as unavailable:
         pytest.skip(str(unavailable))
 
 
-@pytest.mark.parametrize("name", list(backends.BACKENDS))
+@pytest.mark.parametrize("name", list(registry.BACKENDS))
 @pytest.mark.parametrize(
     "dtype, head_dim",
     [(torch.bfloat16, 64), (torch.bfloat16, 72), (torch.bfloat16, 80), (torch.float32, 80)],

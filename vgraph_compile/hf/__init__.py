@@ -8,7 +8,7 @@ accept precomputed grid metadata as keywords).
 """
 
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.tower import CompiledVisionTower, compile_vision_tower
+from vgraph_compile.hf.vision_tower import CompiledVisionTower, compile_vision_tower
 from vgraph_compile.hf.vlm import compile_vlm
 
 __all__ = ["CompiledVisionTower", "compile_vision_tower", "compile_vlm", "routed_attention"]

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from vgraph_compile.ops import varlen_attention
+from vgraph_compile.kernels.ops import varlen_attention
 
 __all__ = ["ATTENTION_NAME", "routed_attention", "vgraph_flash_attention"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vgraph_compile.hf.tower import CompiledVisionTower, compile_vision_tower
+from vgraph_compile.hf.vision_tower import CompiledVisionTower, compile_vision_tower
 
 __all__ = ["VLM_CLASSES", "compile_vlm"]
 

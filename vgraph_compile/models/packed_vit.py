@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vgraph_compile.ops import varlen_attention
+from vgraph_compile.kernels.ops import varlen_attention
 
 __all__ = ["PackedViT", "WindowedViT", "ClsViT", "RegisterViT", "pack_images"]
 

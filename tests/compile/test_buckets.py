@@ -1,0 +1,44 @@
+"""Bucket buffers: one flat storage per copied input, shared by every bucket; filled as an empty call for capture."""
+
+import torch
+
+import vgraph_compile
+from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.spec import Role
+
+
+def test_buckets_share_one_storage_per_input():
+    """Each bucket's buffer is a contiguous view of the first elements of one storage, sized by the largest."""
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    compiled = vgraph_compile.encoder(model, token_budgets=(16, 32, 64), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+    buckets = compiled.vgraph.runtimes[0].buckets
+    for index in buckets[0].buffers:
+        views = [bucket.buffers[index] for bucket in buckets]
+        assert len({view.untyped_storage().data_ptr() for view in views}) == 1
+        assert all(view.is_contiguous() and view.storage_offset() == 0 for view in views)
+        assert views[-1].untyped_storage().nbytes() == views[-1].numel() * views[-1].element_size()
+    assert [tuple(bucket.buffers[min(bucket.buffers)].shape) for bucket in buckets] == [(16, 12), (32, 12), (64, 12)]
+
+
+def test_empty_fill_is_a_valid_call_with_no_tokens():
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    compiled = vgraph_compile.encoder(model, token_budgets=(16,), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+    runtime = compiled.vgraph.runtimes[0]
+    bucket = runtime.buckets[0]
+    for buffer in bucket.buffers.values():
+        buffer.fill_(float("nan") if buffer.is_floating_point() else 9)
+    bucket.fill_empty(runtime.encoder.roles)
+    roles = runtime.encoder.roles
+    for index, buffer in bucket.buffers.items():
+        assert buffer.eq(0).all(), roles[index]
+    with torch.no_grad():
+        (out,) = bucket.run(runtime.encoder.compiled)
+    assert out.isfinite().all()  # the NaN written before is gone: every row is a zero row's padding
+    torch.testing.assert_close(out, out[:1].expand_as(out))
+    assert Role.SEGMENT_OFFSETS in roles.values()

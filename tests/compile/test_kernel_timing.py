@@ -1,0 +1,59 @@
+"""Choosing each attention group's kernel by timing: the fastest wins, failures are skipped, timings cached."""
+
+import logging
+
+import torch
+
+from vgraph_compile.compile.kernel_timing import _candidates, fastest_kernel, load_timings, save_timings
+
+
+def test_fastest_wins_failures_are_skipped_and_timings_cached(caplog):
+    timed = []
+    fake = {"torch_varlen": 1.7, "cudnn": 1.1}
+
+    def time_ms(name):
+        timed.append(name)
+        if name == "flex":
+            raise RuntimeError("no kernel for head_dim 80")
+        return fake[name]
+
+    cache = {}
+    with caplog.at_level(logging.WARNING):
+        assert fastest_kernel("H200|1x9216", ["torch_varlen", "flex", "cudnn"], cache, time_ms) == "cudnn"
+    assert "kernel flex skipped for H200|1x9216: no kernel for head_dim 80" in caplog.text
+    assert cache == {"H200|1x9216": {"torch_varlen": 1.7, "cudnn": 1.1}}
+    fake["cudnn"] = 9.0  # a second start reads the cache: no timing, same choice
+    assert fastest_kernel("H200|1x9216", ["torch_varlen", "flex", "cudnn"], cache, time_ms) == "cudnn"
+    assert timed == ["torch_varlen", "flex", "cudnn"]
+
+
+def test_window_shape_keeps_its_own_choice():
+    cache = {"H200|144x64": {"torch_varlen": 0.10, "cudnn": 0.12}, "H200|1x9216": {"torch_varlen": 1.7, "cudnn": 1.1}}
+    unused = lambda name: (_ for _ in ()).throw(AssertionError("timed a cached shape"))  # noqa: E731
+    assert fastest_kernel("H200|144x64", ["torch_varlen", "cudnn"], cache, unused) == "torch_varlen"
+    assert fastest_kernel("H200|1x9216", ["torch_varlen", "cudnn"], cache, unused) == "cudnn"
+
+
+def test_no_kernel_ran():
+    def broken(name):
+        raise RuntimeError("out of memory")
+
+    assert fastest_kernel("k", ["torch_varlen"], {}, broken) is None
+
+
+def test_auto_never_times_the_reference_or_flex():
+    """Both run on the CPU in fp32, yet auto times neither (the reference is never fastest; flex compiles per
+    shape and was slowest on every measured shape)."""
+    assert _candidates(torch.device("cpu"), torch.float32) == []
+
+
+def test_timings_file_merges_writers_and_is_replaced_whole(tmp_path):
+    """Two processes' timings both survive; no temporary file is left; a corrupt file reads as empty."""
+    path = str(tmp_path / "cache" / "vgraph_kernels.json")
+    assert load_timings(path) == {}
+    save_timings(path, {"rank 0 shape": {"cudnn": 1.0}})
+    save_timings(path, {"rank 1 shape": {"torch_varlen": 2.0}})
+    assert load_timings(path) == {"rank 0 shape": {"cudnn": 1.0}, "rank 1 shape": {"torch_varlen": 2.0}}
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["vgraph_kernels.json"]
+    (tmp_path / "cache" / "vgraph_kernels.json").write_text("{half")
+    assert load_timings(path) == {}

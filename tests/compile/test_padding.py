@@ -1,0 +1,79 @@
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vgraph_compile.spec import Role
+from vgraph_compile.compile.padding import fill
+
+
+@given(rows=st.integers(1, 20), extra=st.integers(0, 20))
+def test_rules_overwrite_a_poisoned_buffer(rows, extra):
+    """Each rule writes every element: real rows copied, the tail padded by the role, nothing left over."""
+    tokens = torch.randn(rows, 3)
+    buffer = torch.full((rows + extra, 3), float("nan"))
+    fill(Role.TOKENS, buffer, tokens)
+    assert torch.equal(buffer[:rows], tokens) and torch.equal(buffer[rows:], torch.zeros(extra, 3))
+
+    offsets = torch.arange(rows + 1, dtype=torch.int32) * 3
+    buffer = torch.full((rows + 1 + extra,), -7, dtype=torch.int32)
+    fill(Role.SEGMENT_OFFSETS, buffer, offsets)
+    assert buffer.tolist() == offsets.tolist() + [3 * rows] * extra
+
+    permutation = torch.randperm(rows)
+    buffer = torch.full((rows + extra,), -1, dtype=torch.int64)
+    fill(Role.GATHER_INDEX, buffer, permutation)
+    assert sorted(buffer.tolist()) == list(range(rows + extra)), "still a permutation: padded rows stay padded"
+
+    buffer = torch.full((rows + extra,), -1, dtype=torch.int64)
+    fill(Role.TABLE_INDEX, buffer, permutation)
+    assert buffer[rows:].eq(0).all()
+
+
+@given(rows=st.integers(1, 20), extra=st.integers(1, 20))
+def test_padded_scatter_entries_write_only_padding_rows(rows, extra):
+    """A scatter index writes a dim as long as itself: its real entries cover rows [0, rows), its padded entries
+    point at rows >= rows (the destination's padding), each once, so scattering through it keeps real rows."""
+    index = torch.randperm(rows)
+    buffer = torch.full((rows + extra,), -1, dtype=torch.int64)
+    fill(Role.SCATTER_INDEX, buffer, index)
+    assert torch.equal(buffer[:rows], index) and buffer[rows:].ge(rows).all()
+    source = torch.cat([torch.arange(1.0, rows + 1), torch.full((extra,), float("nan"))])
+    written = torch.zeros(rows + extra).index_copy(0, buffer, source)
+    torch.testing.assert_close(written[index], torch.arange(1.0, rows + 1), rtol=0, atol=0)
+
+
+def test_two_padded_dims_keep_the_value_in_its_corner():
+    """Padded in two dims, the value lands at [:2, :3] and every other element is zero (no NaN left)."""
+    value = torch.arange(1.0, 7.0).view(2, 3)
+    buffer = torch.full((4, 5), float("nan"))
+    fill(Role.TOKENS, buffer, value)
+    expected = torch.zeros(4, 5)
+    expected[:2, :3] = value
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+
+
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5), extra=st.integers(1, 40))
+def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(lengths, extra):
+    """Padding [Q/K/O | V] offsets half by half (into a capture buffer up to 40 segments larger) leaves every real
+    row unchanged and ends each half at its own last offset; padding it as one flat sequence would end the Q/K/O
+    half on a V offset."""
+    import torch.nn.functional as F
+
+    from vgraph_compile.kernels.ops import packed_varlen_attention
+
+    tokens = sum(lengths)
+    q, k, v = torch.randn(2 * tokens, 3, 2, 4).unbind(1)  # bucket rows: real rows, then padding
+    q, k = q.contiguous(), k.contiguous()
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    packed = torch.cat([cu * 8, cu * v.stride(0)])
+    capacity = torch.full((packed.shape[0] + 2 * extra,), -1, dtype=torch.int32)
+    real = packed_varlen_attention(q, k, v, packed, tokens)[:tokens]
+
+    fill(Role.PACKED_OFFSETS, capacity, packed)
+    torch.testing.assert_close(packed_varlen_attention(q, k, v, capacity, tokens)[:tokens], real, rtol=0, atol=0)
+
+    half = capacity.shape[0] // 2
+    assert capacity[:half].tolist() == (cu * 8).tolist() + [8 * tokens] * extra
+    assert capacity[half:].tolist() == (cu * v.stride(0)).tolist() + [v.stride(0) * tokens] * extra
+    flat = torch.cat([packed, packed[-1:].expand(2 * extra)])
+    assert flat[half - 1] != 8 * tokens, "flat padding puts a V offset at the end of the Q/K/O half"

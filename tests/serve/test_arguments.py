@@ -1,0 +1,58 @@
+"""The hot path's argument reading: graph inputs from the call's own arguments, retrace-worthy calls told apart,
+the encoder's return value rebuilt from the runtime's outputs."""
+
+import pytest
+import torch
+
+import vgraph_compile
+from vgraph_compile.counters import counters
+from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.serve.arguments import OutputLayout
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+
+
+def test_hot_path_reads_arguments_by_name_and_position(model):
+    """After the trace, positional and keyword calls are served with no dynamo call (no trace, replays only)."""
+
+    def encode(patches, cu_seqlens, max_seqlen, scale=1.0):
+        return model(patches, cu_seqlens, max_seqlen) * scale, patches.shape[0]
+
+    compiled = vgraph_compile.encoder(encode, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+        patches, cu, max_seqlen = pack_images([20, 3], 12)
+        with counters.expect(replays=2):
+            out, rows = compiled(patches, cu, max_seqlen)
+            keyword, _ = compiled(patches, max_seqlen=max_seqlen, cu_seqlens=cu)
+    torch.testing.assert_close(out, model(patches, cu, max_seqlen), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keyword, out)
+    assert rows == 23
+
+
+def test_a_specialized_argument_goes_back_through_dynamo(model):
+    """``scale`` is a float the trace specialized: another value is a new trace, never a stale constant."""
+
+    def encode(patches, cu_seqlens, max_seqlen, scale=1.0):
+        return model(patches, cu_seqlens, max_seqlen) * scale
+
+    compiled = vgraph_compile.encoder(encode, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    inputs = pack_images([5, 7], 12)
+    with torch.no_grad():
+        compiled(*inputs)
+        with counters.expect(traces=1, sites_found=1, buckets_built=2, nodes_rewritten=2, replays=1):
+            doubled = compiled(*inputs, scale=2.0)
+        torch.testing.assert_close(doubled, 2 * model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_output_layout_matches_by_identity():
+    a, b = torch.zeros(2), torch.ones(3)
+    layout = OutputLayout.match((b, [a, None]), [a, b])
+    rebuilt = layout.build([a + 1, b + 1])
+    assert isinstance(rebuilt, tuple) and isinstance(rebuilt[1], list) and rebuilt[1][1] is None
+    torch.testing.assert_close(rebuilt[0], b + 1)
+    assert OutputLayout.match(torch.zeros(1), [a, b]) is None  # a tensor that is no graph output

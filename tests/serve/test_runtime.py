@@ -1,0 +1,313 @@
+"""The runtime end to end on CPU: compiled buckets against the eager encoder, bucket choice, fallbacks, checks."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import vgraph_compile
+from vgraph_compile.counters import counters
+from vgraph_compile.models.packed_vit import PackedViT, pack_images
+
+BUDGETS = (16, 64, 128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return PackedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    """The graph run as FX (compiler='eager'): fast to build, same passes, buckets and runtime.
+    Warmed up: 2 sites found once; 3 buckets built; the kernel of both sites set in the eager and compiled copies."""
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
+    )
+    with torch.no_grad(), counters.expect(traces=1, sites_found=2, buckets_built=3, nodes_rewritten=4, replays=1):
+        compiled(*pack_images([5, 7], 12))
+    return compiled
+
+
+segments = st.lists(st.integers(1, 48), min_size=1, max_size=6).filter(lambda lengths: sum(lengths) <= 200)
+
+
+@given(lengths=segments)
+def test_matches_eager_on_generated_shapes(model, compiled, lengths):
+    """Every real row equals eager (same SDPA kernel) within fp32 round-off, in or over budget."""
+    inputs = pack_images(lengths, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "lengths, bucket",
+    [
+        ([1, 1, 1], 16),  # 1-token segments
+        ([16], 16),  # one segment filling a budget exactly
+        ([60, 4], 64),  # a call exactly at a budget
+        ([17], 64),  # one token over a budget: the next one
+        ([1] * 6, 16),  # as many segments as max_segments
+        ([1] * 7, None),  # more segments than any bucket holds: eager
+        ([129], None),  # over the largest budget: eager
+    ],
+)
+def test_bucket_choice_and_fallback(model, compiled, lengths, bucket):
+    runtime = compiled.vgraph.runtimes[0]
+    inputs = pack_images(lengths, 12)
+    hits_before = {b.shape.budget: b.stats.hits for b in runtime.buckets}
+    with torch.no_grad(), counters.expect(replays=int(bucket is not None), eager_fallbacks=int(bucket is None)):
+        out = compiled(*inputs)
+        torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)
+    hits = {b.shape.budget: b.stats.hits - hits_before.get(b.shape.budget, 0) for b in runtime.buckets}
+    assert hits == {budget: int(budget == bucket) for budget in BUDGETS}
+
+
+def test_stats_table(model):
+    compiled = vgraph_compile.encoder(model, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        for lengths in ([8], [8, 8], [40], [100]):
+            compiled(*pack_images(lengths, 12))
+    table = compiled.vgraph.runtimes[0].stats_table()
+    assert "      16       [4]        [16]      2   25.0%" in table  # 8 and 16 real rows of 2 x 16
+    assert "      64       [4]        [64]      1   37.5%" in table  # 40 of 64
+    assert "eager fallback x1: no bucket holds" in table
+
+
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([0, 5, 3, 12], "never decrease"),
+        ([0, 5, 11], "end at the row count 12"),
+        ([1, 5, 12], "start at 0"),
+    ],
+)
+def test_bad_cu_seqlens_raise_before_any_graph_runs(compiled, cu, message):
+    patches = torch.randn(12, 12)
+    with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
+        compiled(patches, torch.tensor(cu, dtype=torch.int32), 7)
+
+
+def test_autograd_calls_run_the_encoder_as_written(model):
+    """With grad enabled on trainable parameters, the call never reaches dynamo or a bucket: gradients flow."""
+    compiled = vgraph_compile.encoder(model, token_budgets=(16,), max_segments=4, compiler="eager")
+    inputs = pack_images([6, 6], 12)
+    with counters.expect():
+        out = compiled(*inputs)
+    assert out.requires_grad
+    torch.testing.assert_close(out, model(*inputs))
+
+
+@pytest.fixture(scope="module")
+def one_block():
+    """A one-block encoder for the inductor tests (the compile's cost on the CPU grows with the blocks)."""
+    torch.manual_seed(0)
+    return PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+
+
+@pytest.fixture(scope="module")
+def inductor_compiled(one_block):
+    """One trace and ONE inductor compile serve 4 buckets (16 .. 128 tokens); warmed up under no_grad."""
+    compiled = vgraph_compile.encoder(one_block, token_budgets=(16, 32, 64, 128), max_segments=8)
+    with (
+        torch.no_grad(),
+        counters.expect(traces=1, sites_found=1, buckets_built=4, compiles=1, nodes_rewritten=2, replays=1),
+    ):
+        compiled(*pack_images([3, 5], 12))
+    return compiled
+
+
+def test_inductor_buckets_serve_100_calls_from_one_compile(one_block, inductor_compiled):
+    """100 random calls over every bucket: eager-equal, no retrace, no compile, all replays."""
+    rng = random.Random(0)
+    calls = [[rng.randint(1, 16) for _ in range(rng.randint(1, 8))] for _ in range(100)]  # <= 128 tokens
+    with torch.no_grad(), counters.expect(replays=100):
+        for lengths in calls:
+            inputs = pack_images(lengths, 12)
+            torch.testing.assert_close(inductor_compiled(*inputs), one_block(*inputs), rtol=1e-5, atol=1e-5)
+    assert len(inductor_compiled.vgraph.runtimes) == 1
+    assert {bucket.stats.hits > 0 for bucket in inductor_compiled.vgraph.runtimes[0].buckets} == {True}
+
+
+def test_grad_modes_never_retrace(one_block, inductor_compiled):
+    """inference_mode, no_grad, then grad enabled, then inference_mode again: one trace, no crash."""
+    inputs = pack_images([7, 9], 12)
+    expected = one_block(*inputs).detach()
+    with counters.expect(replays=3):
+        with torch.inference_mode():
+            torch.testing.assert_close(inductor_compiled(*inputs), expected, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(inductor_compiled(*inputs), expected, rtol=1e-5, atol=1e-5)
+        out = inductor_compiled(*inputs)  # grad enabled on trainable parameters: the encoder as written
+        assert out.requires_grad and out.grad_fn is not None
+        with torch.inference_mode():
+            torch.testing.assert_close(inductor_compiled(*inputs), expected, rtol=1e-5, atol=1e-5)
+    assert len(inductor_compiled.vgraph.runtimes) == 1
+
+
+def test_concurrent_callers_get_their_own_rows(one_block, inductor_compiled):
+    """4 threads x 25 calls of different sizes through the shared bucket buffers: every result eager-equal."""
+    import concurrent.futures
+
+    def worker(seed):
+        rng = random.Random(seed)
+        wrong = 0
+        for _ in range(25):
+            inputs = pack_images([rng.randint(1, 30) for _ in range(rng.randint(1, 4))], 12)
+            with torch.no_grad():
+                out, expected = inductor_compiled(*inputs), one_block(*inputs)
+            wrong += not torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+        return wrong
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(worker, range(4))) == [0, 0, 0, 0]
+
+
+def test_nan_poisoned_buffers_never_reach_real_rows(one_block, inductor_compiled):
+    """Every bucket buffer (shared storages included) filled with NaN before each call: real rows stay exact."""
+    runtime = inductor_compiled.vgraph.runtimes[0]
+    for lengths in ([1], [16], [40, 3], [100, 28]):
+        for bucket in runtime.buckets:
+            for buffer in bucket.buffers.values():
+                buffer.fill_(float("nan") if buffer.is_floating_point() else -7)
+        inputs = pack_images(lengths, 12)
+        with torch.no_grad():
+            torch.testing.assert_close(inductor_compiled(*inputs), one_block(*inputs), rtol=1e-5, atol=1e-5)
+
+
+grids = st.lists(
+    st.tuples(
+        st.sampled_from([1, 1, 2]), st.integers(1, 6).map(lambda a: 2 * a), st.integers(1, 6).map(lambda b: 2 * b)
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    from vgraph_compile.models.examples import QWEN25_GEOMETRY
+    from vgraph_compile.models.packed_vit import WindowedViT
+
+    torch.manual_seed(0)
+    model = WindowedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
+    compiled = vgraph_compile.encoder(
+        model,
+        token_budgets=(64, 256),
+        compiler="eager",
+        geometry=QWEN25_GEOMETRY,
+        max_items=4,
+        max_frames=8,
+        attention_backend="sdpa",
+    )
+    return model, compiled
+
+
+@given(grid=grids)
+def test_window_attention_encoder_matches_eager(windowed, grid):
+    """Frames, windows and the window permutation padded by their roles: real rows equal eager, any grid."""
+    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
+
+    model, compiled = windowed
+    inputs = windowed_inputs(QWEN25_GEOMETRY, grid, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class PackedInput(torch.nn.Module):
+    """A model that builds FlashInfer's packed offsets itself and passes them in (as vLLM's Qwen2.5-VL does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x, packed_offsets, max_seqlen):
+        q, k, v = self.qkv(x).view(x.shape[0], 3, 2, 4).unbind(1)
+        return vgraph_compile.kernels.ops.packed_varlen_attention(q.contiguous(), k.contiguous(), v, packed_offsets, max_seqlen)
+
+
+def _packed_inputs(lengths):
+    import torch.nn.functional as F
+
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return torch.randn(sum(lengths), 8), torch.cat([cu * 8, cu * 24]), max(lengths)
+
+
+@pytest.fixture(scope="module")
+def packed_model():
+    torch.manual_seed(0)
+    model = PackedInput().eval()
+    compiled = vgraph_compile.encoder(model, token_budgets=(64, 160), max_segments=6, compiler="eager")
+    with torch.no_grad():
+        compiled(*_packed_inputs([5, 7]))
+    return model, compiled
+
+
+def test_packed_offsets_input_role(packed_model):
+    """The input's role is found from the op it reaches (its segments are half its length, less one)."""
+    assert "input packed_offsets: packed_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
+
+
+# At least 2 rows: with one row, eager's q.contiguous() keeps the fused view's row stride (24), so the model's own
+# offsets (which assume 8) would misread eager, not vgraph (whose buffers always have more than one row).
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5).filter(lambda lengths: sum(lengths) > 1))
+def test_packed_offsets_input_is_padded_half_by_half(packed_model, lengths):
+    model, compiled = packed_model
+    inputs = _packed_inputs(lengths)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_metadata_refill_sees_in_place_changes_and_other_buckets(model, compiled):
+    """A cu_seqlens tensor passed again is re-copied when it was modified in place (through torch, or through
+    numpy, which leaves its version counter alone), or when another bucket wrote the shared storage since."""
+    patches, cu, _ = pack_images([5, 7], 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(patches, cu, 7), model(patches, cu, 7), rtol=1e-5, atol=1e-5)
+        cu[1] = 3  # segments of 3 and 9 rows, same tensor object
+        torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
+        compiled(*pack_images([6, 6], 12))  # the same bucket, other offsets, in the shared buffer
+        torch.testing.assert_close(compiled(patches, cu, 9), model(patches, cu, 9), rtol=1e-5, atol=1e-5)
+        version = cu._version
+        cu.numpy()[1] = 8  # segments of 8 and 4 rows; the version counter does not move
+        assert cu._version == version
+        torch.testing.assert_close(compiled(patches, cu, 8), model(patches, cu, 8), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
+    """The first call plans before the capture; if the capture drops a bucket (out of GPU memory), that call and
+    every later one go to the next larger bucket."""
+    from vgraph_compile.compile import buckets as bucket_graphs
+
+    def capture_dropping_the_smallest(buckets, compiled, roles):
+        return sorted(buckets, key=lambda bucket: bucket.shape.budget)[1:]
+
+    monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
+    with monkeypatch.context() as patch:
+        patch.setattr("vgraph_compile.compile.build._cudagraphs", lambda ctx: True)
+        inputs = pack_images([3, 4], 12)  # fits the 16 bucket, which the capture drops
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+            compiled(*inputs)
+    runtime = compiled.vgraph.runtimes[0]
+    assert [(bucket.shape.budget, bucket.stats.hits) for bucket in runtime.buckets] == [(64, 2), (128, 0)]
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_nonfinite_value_stays_in_its_segment(one_block, inductor_compiled, poison):
+    """Through the compiled buckets: a NaN or Inf patch in image 0 leaves image 1's rows finite and as in the
+    clean call."""
+    patches, cu, max_seqlen = pack_images([9, 14], 12)
+    poisoned = patches.clone()
+    poisoned[4, 7] = poison
+    with torch.no_grad():
+        clean = inductor_compiled(patches, cu, max_seqlen)
+        out = inductor_compiled(poisoned, cu, max_seqlen)
+    assert not out[:9].isfinite().all()
+    assert out[9:].isfinite().all()
+    torch.testing.assert_close(out[9:], clean[9:], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,86 @@
+"""Compile once: inductor on the rewritten graph, symbolic in every token and segment size.
+
+Invariant: one compile per trace (``counters.compiles``). The compiled code takes the graph's inputs at any
+bucket's sizes, so a bucket costs a capture, never a compile. Inductor's own size decisions (32-bit indexing,
+matmul choices) can add guards to the trace's ShapeEnv while it lowers; each one is checked at every bucket's
+sizes here, and a bucket where one fails is dropped with a warning rather than served by code that assumed
+otherwise. ``shape_padding`` is off: its guards split the budget range, and ``passes/align_matmuls`` pads the
+widths that need it instead.
+
+The example inputs inductor sees are the trace's fake values: token-sized tensors contiguous (the runtime's
+buffers are), parameters at their aligned shapes (``align_matmuls``), sizes as the trace's symbols.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from vgraph_compile.counters import counters
+from vgraph_compile.fx_utils import example_value
+from vgraph_compile.symbolic import substitute
+from vgraph_compile.spec import BucketShape, PassContext, Role
+
+__all__ = ["compile_once", "CompiledFn"]
+
+log = logging.getLogger(__name__)
+
+CompiledFn = Callable[[list], Sequence[Any]]
+"""The compiled graph: takes the list of graph inputs, returns the outputs."""
+
+
+def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
+    fakes = []
+    for node, role in zip(gm.graph.find_nodes(op="placeholder"), ctx.spec.inputs):
+        fake = example_value(node)
+        if isinstance(fake, torch.Tensor) and role.role is not Role.PARAMETER:
+            with fake.fake_mode:
+                fake = torch.empty(fake.shape, dtype=fake.dtype, device=fake.device)
+        fakes.append(fake)
+    return fakes
+
+
+def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledFn:
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._inductor.config.patch(shape_padding=False, **{"triton.cudagraphs": False}), torch.no_grad():
+        compiled = compile_fx(gm, _fake_inputs(gm, ctx))
+    return lambda inputs: compiled(*inputs)
+
+
+def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
+    """Whether ``guard`` holds at the bucket's sizes; None when it reads sizes the bucket does not fix."""
+    value = substitute(guard, bucket.values)
+    if value in (sympy.true, sympy.false):
+        return bool(value)
+    return None
+
+
+def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, list[BucketShape]]:
+    """The compiled graph, and the buckets it may serve (every guard inductor added holds at their sizes)."""
+    if ctx.config.compiler == "eager":
+        return (lambda inputs: gm(*inputs)), list(ctx.buckets)
+    guards_before = len(ctx.shape_env.guards)
+    start = time.perf_counter()
+    compiled = _inductor(gm, ctx)
+    counters.compiles += 1
+    added = [ctx.shape_env.replace(guard.expr) for guard in ctx.shape_env.guards[guards_before:]]
+    log.info("inductor compiled the encoder once in %.1f s (%d size guards added)", time.perf_counter() - start,
+             len(added))  # fmt: skip
+    served = []
+    for bucket in ctx.buckets:
+        failed = [guard for guard in added if _holds(guard, bucket) is False]
+        if failed:
+            log.warning(
+                "budget %d dropped: the compiled code assumes %s, which fails at that size",
+                bucket.budget,
+                ", ".join(str(guard) for guard in failed),
+            )
+            continue
+        served.append(bucket)
+    return compiled, served

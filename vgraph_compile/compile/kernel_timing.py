@@ -1,0 +1,170 @@
+"""``attention_backend="auto"`` on CUDA: each attention group's kernel chosen by timing the installed ones.
+
+No kernel wins every shape: cuDNN's ragged attention is ~1.5x FlashAttention-2 on long full-attention segments
+and slower on 64-row windows (BENCHMARKS.md). So each attention group (full attention, window attention) gets
+its own kernel: every installed kernel that runs on the device and dtype is timed on that group's shape in the
+largest bucket (its rows split into segments of the group's max_seqlen), a few replays each, and the fastest is
+kept. A kernel that fails on the shape is skipped with its reason logged. The compiled graph is one for all
+buckets, so the choice is per group, not per bucket.
+
+The timings are cached in ``vgraph_kernels.json`` under inductor's cache directory, keyed by device, torch
+version, kernels and shape: a second start with the same model and GPU does not time again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vgraph_compile.kernels import registry
+from vgraph_compile.fx_utils import example_value
+from vgraph_compile.symbolic import evaluate
+from vgraph_compile.spec import PassContext
+
+__all__ = ["choose_kernels", "fastest_kernel", "GroupShape"]
+
+log = logging.getLogger(__name__)
+
+_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What a group's kernel is timed on: rows, split into segments of ``segment`` rows."""
+
+    rows: int
+    segment: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def key(self, device: torch.device, kernels: list[str]) -> str:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"{name}|torch {torch.__version__}|{','.join(kernels)}|{self.rows}x{self.heads}x{self.head_dim}"
+            f"/{self.segment}|{self.dtype}"
+        )
+
+
+def _candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
+    names = []
+    for name, backend in registry.BACKENDS.items():
+        if backend.packed or not backend.timed_by_auto:
+            continue
+        try:
+            registry.resolve(name, device, dtype)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+def _time_ms(name: str, shape: GroupShape, device: torch.device) -> float:
+    from vgraph_compile.kernels.ops import varlen_attention
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(shape.rows, shape.heads, shape.head_dim, device=device, dtype=shape.dtype, generator=generator)
+        for _ in range(3)
+    )
+    cu = torch.arange(0, shape.rows + 1, shape.segment, device=device, dtype=torch.int32)
+    if cu[-1] != shape.rows:
+        cu = torch.cat([cu, torch.tensor([shape.rows], device=device, dtype=torch.int32)])
+    for _ in range(2):
+        varlen_attention(q, k, v, cu, shape.segment, backend=name)
+    times = []
+    for _ in range(_REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        varlen_attention(q, k, v, cu, shape.segment, backend=name)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def fastest_kernel(key: str, names: list[str], cache: dict, time_ms: Callable[[str], float]) -> str | None:
+    """The kernel with the least time for ``key``: from ``cache``, or timed with ``time_ms`` and cached. A kernel
+    whose timing raises is skipped (logged); None when none ran."""
+    if key not in cache:
+        timings = {}
+        for name in names:
+            try:
+                timings[name] = time_ms(name)
+            except Exception as failure:  # a kernel that cannot run this shape is skipped, never chosen
+                log.warning("kernel %s skipped for %s: %s", name, key, failure)
+        cache[key] = timings
+    timings = cache[key]
+    log.info("kernel timings for %s (ms): %s", key, timings)
+    return min(timings, key=timings.get) if timings else None
+
+
+def _cache_path() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "vgraph_kernels.json")
+
+
+def _group_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, GroupShape]:
+    largest = max(ctx.buckets, key=lambda bucket: bucket.budget)
+    nodes = {node.name: node for node in gm.graph.nodes}
+    shapes = {}
+    for site in ctx.spec.sites:
+        if site.group in shapes:
+            continue
+        q = example_value(nodes[site.node].args[0])
+        rows = evaluate(site.rows, largest.values, f"the rows of attention site {site.node}")
+        segment = max(1, min(rows, largest.max_seqlen[site.group]))
+        shapes[site.group] = GroupShape(rows, segment, int(q.shape[1]), int(q.shape[2]), q.dtype)
+    return shapes
+
+
+def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]:
+    """Attention group -> kernel name, timed on CUDA for ``attention_backend="auto"``; empty otherwise."""
+    if ctx.config.attention_backend != "auto" or ctx.device.type != "cuda" or not ctx.buckets:
+        return {}
+    path = _cache_path()
+    cache = load_timings(path)
+    chosen = {}
+    for group, shape in _group_shapes(gm, ctx).items():
+        names = _candidates(ctx.device, shape.dtype)
+        if len(names) < 2:
+            continue
+        fastest = fastest_kernel(
+            shape.key(ctx.device, names), names, cache, lambda name: _time_ms(name, shape, ctx.device)
+        )
+        if fastest is not None:
+            chosen[group] = fastest
+            log.info("attention group %d: %s (on %s)", group, fastest, shape)
+    save_timings(path, cache)
+    return chosen
+
+
+def load_timings(path: str) -> dict:
+    """The cached kernel timings (empty when the file is missing or unreadable)."""
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return {}
+
+
+def save_timings(path: str, timings: dict) -> None:
+    """Merge ``timings`` into the file, replaced atomically: processes starting together (one per rank) neither
+    read a half-written file nor drop each other's entries, except a key both timed (the last write wins)."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        merged = {**load_timings(path), **timings}
+        handle, scratch = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(merged, file, indent=1)
+        os.replace(scratch, path)
+    except OSError as failure:
+        log.info("kernel timings not cached: %s", failure)

@@ -1,0 +1,381 @@
+"""``CompiledVisionTower``: a Qwen vision tower served by vgraph bucket graphs.
+
+Per call: check the inputs (before anything runs), pack the items into batches that fit the largest bucket,
+take each batch's grid metadata from the cache (computed on the host once per distinct batch grid), run the
+compiled tower, and put every item's rows back in the caller's order.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.decorator import encoder
+from vgraph_compile.hf import data_parallel
+from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.packing import Batch, pack
+from vgraph_compile.hf.tower_kinds import Grid, TowerKind, hidden_width, kind_of
+
+__all__ = ["CompiledVisionTower", "compile_vision_tower"]
+
+log = logging.getLogger(__name__)
+
+_METADATA_KEYS = (
+    "position_ids",
+    "cu_seqlens",
+    "max_seqlen",
+    "window_index",
+    "cu_window_seqlens",
+    "max_window_seqlen",
+    "interp_indices",
+    "interp_weights",
+)
+
+
+def _row_starts(grid) -> list[int]:
+    """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
+    starts = [0]
+    for t, h, w in grid:
+        starts.append(starts[-1] + t * h * w)
+    return starts
+
+
+class _TowerCall(torch.nn.Module):
+    """The traced forward: the tower with every grid-dependent value passed in, so nothing syncs the host.
+
+    The ``torch._check`` calls state what holds by construction (one position id, interpolation row per patch;
+    one window-index entry per merged token), so the trace gives those lengths one symbol.
+    """
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        super().__init__()
+        self.tower = tower
+        self.merge_unit = tower.spatial_merge_size**2
+
+    def forward(
+        self,
+        pixel_values,
+        position_ids,
+        cu_seqlens,
+        max_seqlen,
+        window_index=None,
+        cu_window_seqlens=None,
+        max_window_seqlen=None,
+        interp_indices=None,
+        interp_weights=None,
+    ):
+        patches = pixel_values.shape[0]
+        for per_patch in (position_ids, interp_indices, interp_weights):
+            if per_patch is not None:
+                torch._check(per_patch.shape[0] == patches)
+        if window_index is not None:
+            torch._check(window_index.shape[0] * self.merge_unit == patches)
+        given = dict(
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            window_index=window_index,
+            cu_window_seqlens=cu_window_seqlens,
+            max_window_seqlen=max_window_seqlen,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+        )
+        out = self.tower(pixel_values, None, **{name: value for name, value in given.items() if value is not None})
+        return (out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ()))
+
+
+class CompiledVisionTower(torch.nn.Module):
+    """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
+
+    It stands in the tower's place in a model (``model.model.visual = compile_vision_tower(model.model.visual)``):
+    it shares the tower's parameter, buffer and submodule tables, so every name (``state_dict`` keys,
+    ``named_parameters``) is the tower's own, and ``.to()``, ``eval()``, ``parameters()`` act on the tower's
+    tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
+    lists) are read from the tower. Calls with grad enabled, in training mode, or with keywords other than
+    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention.
+
+    With a ``process_group``, every rank of it must call with the same batch: each encodes its share of the items
+    and every rank returns the whole output (``vgraph_compile.hf.data_parallel``). Set it to None to encode
+    whole batches on this rank again.
+    """
+
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        config: VGraphConfig,
+        metadata_cache_size: int = 1024,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__()
+        self.__dict__["tower"] = tower  # its tables, not the tower itself, are this module's: names stay the same
+        self._parameters = tower._parameters
+        self._buffers = tower._buffers
+        self._non_persistent_buffers_set = tower._non_persistent_buffers_set
+        self._modules = tower._modules
+        self.training = tower.training
+        self.kind: TowerKind = kind_of(tower)
+        self.output_class = self.kind.output_class(tower)
+        """The tower's own output type (BaseModelOutputWithPooling, or Qwen3's with deepstack features)."""
+        self.vgraph_config = config
+        self.geometry = config.geometry
+        self._metadata: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
+        self._metadata_cache_size = metadata_cache_size
+        patch = self.geometry.patch_size
+        self.patch_width = tower.config.in_channels * self.geometry.temporal_patch_size * patch * patch
+        self.out_width = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+        self.split_calls = 0
+        self.stock_calls = 0
+        self.process_group = process_group
+        """A ``torch.distributed`` process group to encode over, data parallel; None: this rank alone."""
+        self.load_stats = data_parallel.LoadStats()
+        self._compile()
+
+    def _compile(self) -> None:
+        """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
+        self.__dict__["compiled"] = encoder(_TowerCall(self.tower), config=self.vgraph_config)
+        self.__dict__["parameter"] = next(self.tower.parameters())
+        """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
+        self._metadata.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            tower = self.__dict__.get("tower")
+            if tower is None:
+                raise
+            return getattr(tower, name)
+
+    def train(self, mode: bool = True) -> CompiledVisionTower:
+        super().train(mode)
+        self.tower.training = mode
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.float()``, ``.cuda()``...: the tensors change, so the next call traces and captures again."""
+        result = super()._apply(fn, *args, **kwargs)
+        self._compile()
+        return result
+
+    @property
+    def runtimes(self):
+        """The vgraph runtimes behind this tower (one per dynamo trace; normally one)."""
+        return self.compiled.vgraph.runtimes
+
+    def stats_table(self) -> str:
+        """Each runtime's buckets; with data-parallel calls, each rank's load and the imbalance too."""
+        tables = [runtime.stats_table() for runtime in self.runtimes]
+        if self.load_stats.calls:
+            rank = torch.distributed.get_rank(self.process_group) if self.process_group is not None else "-"
+            tables.append(self.load_stats.table(rank))
+        return "\n".join(tables)
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+        if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+            raise ValueError(
+                f"grid_thw must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}"
+            )
+        if grid_thw.is_floating_point():
+            raise ValueError(f"grid_thw must hold integers, got {grid_thw.dtype}")
+        grid = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+        merge = self.geometry.spatial_merge_size
+        for index, (t, h, w) in enumerate(grid):
+            if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
+                raise ValueError(
+                    f"grid_thw[{index}] = {(t, h, w)}: t, h, w must be positive and h, w multiples of the spatial "
+                    f"merge size {merge} (the image processor resizes images to that)"
+                )
+        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.patch_width:
+            raise ValueError(
+                f"pixel_values must be [patches, {self.patch_width}] (channels x temporal patch x patch x patch), "
+                f"got {tuple(pixel_values.shape)}"
+            )
+        rows = sum(t * h * w for t, h, w in grid)
+        if pixel_values.shape[0] != rows:
+            raise ValueError(
+                f"pixel_values has {pixel_values.shape[0]} rows but grid_thw describes sum(t*h*w) = {rows} patches: "
+                "pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
+            )
+        parameter = self.parameter
+        if pixel_values.device != parameter.device or pixel_values.dtype != parameter.dtype:
+            raise ValueError(
+                f"pixel_values is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
+                f"on {parameter.device}: convert with pixel_values.to(tower.device, tower.dtype)"
+            )
+        return grid
+
+    # -- per call ----------------------------------------------------------------------------------------------
+    def _metadata_for(self, grid: Grid, device: torch.device) -> dict:
+        key = (grid, device)
+        if key in self._metadata:
+            self._metadata.move_to_end(key)
+            return self._metadata[key]
+        with torch.inference_mode(False):  # plain tensors keep a version counter: the runtime skips re-copying them
+            host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
+            metadata = {
+                name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()
+            }
+        self._metadata[key] = metadata
+        if len(self._metadata) > self._metadata_cache_size:
+            self._metadata.popitem(last=False)
+        return metadata
+
+    def warmup(self) -> None:
+        """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
+
+        The image is one window tall and two wide, so both attention groups (frames and windows) have segments in
+        the trace; which group is the window group comes from ``VGraphConfig.window_offsets`` (the tower's
+        ``cu_window_seqlens``), not from the image. Later calls skip dynamo, in any grad mode.
+        """
+        if self.runtimes:
+            return
+        side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
+        grid = ((1, side, 2 * side),)
+        parameter = self.parameter
+        pixel_values = torch.randn(2 * side * side, self.patch_width, device=parameter.device, dtype=parameter.dtype)
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
+            self._run(pixel_values, grid)
+
+    def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
+        metadata = self._metadata_for(grid, pixel_values.device)
+        return self.compiled(pixel_values, *(metadata.get(name) for name in _METADATA_KEYS))
+
+    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
+        """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
+        return_dict = kwargs.pop("return_dict", True)
+        if kwargs or self.training or torch.is_grad_enabled():
+            self.stock_calls += 1
+            if kwargs:
+                log.debug("keywords %s: the stock tower serves this call", sorted(kwargs))
+            return self.tower(hidden_states, grid_thw, return_dict=return_dict, **kwargs)
+        out = self._serve(hidden_states, grid_thw)
+        return out if return_dict else out.to_tuple()
+
+    def _serve(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        if self.process_group is not None:
+            return self._serve_data_parallel(pixel_values, grid_thw)
+        grid = self._check(pixel_values, grid_thw)
+        self.warmup()
+        return self._output(*self._encode(pixel_values, grid))
+
+    def _encode(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]):
+        """(pooler_output, last_hidden_state, deepstack levels) of the checked items, on this rank."""
+        if not grid:
+            empty = pixel_values.new_empty(0, self.out_width)
+            hidden = pixel_values.new_empty(0, hidden_width(self.tower.config))
+            return empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ()))
+        config = self.vgraph_config
+        batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
+        with self._routing():
+            if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
+                outputs = self._run(pixel_values, tuple(grid))
+                return outputs[0], outputs[1], list(outputs[2:])
+            self.split_calls += 1
+            return self._split(pixel_values, grid, batches)
+
+    def _serve_data_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """Every rank checks that all got the same batch, encodes its share, and gathers everyone's outputs."""
+        group = self.process_group
+        try:
+            grid, refused = self._check(pixel_values, grid_thw), None
+        except ValueError as error:
+            grid, refused = [], error
+        key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
+        agreed = data_parallel.same_batch(key, group, self.parameter.device)
+        if refused:
+            raise refused
+        if not agreed:
+            raise ValueError(
+                "the ranks of process_group were called with different grid_thw (or another rank refused its "
+                "input): every rank must pass the same full batch (pixel_values, grid_thw), as tensor-parallel "
+                "ranks receive the same multimodal inputs"
+            )
+        self.warmup()
+        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        assignment = data_parallel.assign(grid, ranks)
+        self.load_stats.record(assignment)
+        if not grid:
+            return self._output(*self._encode(pixel_values, grid))
+        mine = assignment.items[rank]
+        starts = _row_starts(grid)
+        rows = [pixel_values[starts[i] : starts[i + 1]] for i in mine]
+        local = self._encode(torch.cat(rows) if rows else pixel_values[:0], [grid[i] for i in mine])
+        pooled, hidden, deepstack = local
+        merge = self.geometry.spatial_merge_size**2
+        units = [(starts[i + 1] - starts[i]) // merge for i in range(len(grid))]
+        fields = data_parallel.gather(
+            [pooled, hidden, *deepstack], [1, merge, *([1] * len(deepstack))], units, assignment, rank, group
+        )
+        return self._output(fields[0], fields[1], fields[2:])
+
+    def _routing(self) -> contextlib.AbstractContextManager:
+        """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
+        return contextlib.nullcontext() if self.compiled.traced else routed_attention(self.tower)
+
+    def _split(self, pixel_values, grid, batches: list[Batch]):
+        """Each batch's outputs, put back per item in the caller's order. Qwen2.5-VL's window permutation keeps
+        each item's rows together, in item order, so its ``last_hidden_state`` comes out as one call gives it."""
+        merge = self.geometry.spatial_merge_size**2
+        starts = _row_starts(grid)
+        pooled: list[Any] = [None] * len(grid)
+        hidden: list[Any] = [None] * len(grid)
+        deep: list[list[Any]] = []
+        for batch in batches:
+            rows = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in batch.items])
+            outputs = self._run(rows, tuple(grid[i] for i in batch.items))
+            offset = 0
+            for index in batch.items:
+                size = starts[index + 1] - starts[index]
+                pooled[index] = outputs[0][offset // merge : (offset + size) // merge]
+                hidden[index] = outputs[1][offset : offset + size]
+                for level, feature in enumerate(outputs[2:]):
+                    if len(deep) <= level:
+                        deep.append([None] * len(grid))
+                    deep[level][index] = feature[offset // merge : (offset + size) // merge]
+                offset += size
+        return torch.cat(pooled), torch.cat(hidden), [torch.cat(level) for level in deep]
+
+    def _output(self, pooled, last_hidden, deepstack):
+        fields = {"last_hidden_state": last_hidden, "pooler_output": pooled}
+        if self.kind.deepstack:
+            fields["deepstack_features"] = list(deepstack)
+        return self.output_class(**fields)
+
+
+def compile_vision_tower(
+    tower: torch.nn.Module,
+    token_budgets: list[int] | tuple[int, ...] | None = None,
+    max_items: int = 8,
+    max_frames: int | None = None,
+    process_group: Any = None,
+    **options: Any,
+) -> CompiledVisionTower:
+    """Compile ``model.visual`` with the vgraph backend, bounded by the tower's own geometry.
+
+    ``token_budgets`` count patches (rows of pixel_values; multiples of spatial_merge_size^2); ``max_items`` and
+    ``max_frames`` (temporal patches of all items; default max(max_items, 16)) bound one graph call, and larger
+    calls are split. Other ``options`` are ``VGraphConfig`` fields; ``check_values`` defaults to False here, since
+    the offsets are built from the checked ``grid_thw`` (so no call reads device data back). Returns a module
+    that can replace the tower in its model; while it is in training mode the stock tower serves it.
+
+    ``process_group`` (a ``torch.distributed`` group, NCCL or gloo): encode data parallel over its ranks. Every
+    rank calls with the same full batch and gets the full output, equal to a single-process call; each encodes
+    a share of the items balanced by patches (``vgraph_compile.hf.data_parallel``). None: this process alone.
+    """
+    kind = kind_of(tower)
+    config = VGraphConfig(
+        token_budgets=tuple(token_budgets) if token_budgets is not None else None,
+        geometry=kind.geometry(tower),
+        max_items=max_items,
+        max_frames=max(max_items, 16) if max_frames is None else max_frames,
+        max_segments=options.pop("max_segments", max_items),
+        check_values=options.pop("check_values", False),
+        **options,
+    )
+    return CompiledVisionTower(tower, config, process_group=process_group)

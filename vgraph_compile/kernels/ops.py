@@ -1,0 +1,108 @@
+"""``vgraph::varlen_attention``: packed variable-length attention as one opaque FX node.
+
+Invariants:
+- inputs are ``[tokens, heads, head_dim]`` (any strides), ``cu_seqlens`` is int32 ``[segments + 1]`` on the
+  same device, starting at 0 and non-decreasing; ``max_seqlen`` bounds every segment length;
+- the output is a fresh contiguous ``[tokens, heads, head_dim]`` tensor whose rows at or past
+  ``cu_seqlens[-1]`` are exactly zero, whatever the kernel wrote there;
+- no host synchronisation: the op runs inside captured CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vgraph_compile.kernels import registry
+
+__all__ = ["varlen_attention", "VARLEN_ATTENTION", "packed_varlen_attention", "PACKED_VARLEN_ATTENTION"]
+
+
+@torch.library.custom_op("vgraph::varlen_attention", mutates_args=())
+def _varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of packed ``[tokens, heads, head_dim]`` q/k/v within the segments ``cu_seqlens`` marks.
+
+    ``backend`` names an implementation in ``vgraph_compile.kernels`` (``"auto"``: FlashAttention-2 for
+    fp16/bf16 on CUDA, the SDPA reference elsewhere). A compiled graph replaces it with the configured one.
+    """
+    resolved = registry.resolve(backend, q.device, q.dtype)
+    if resolved.packed:
+        raise ValueError(
+            f"backend {backend!r} reads packed [Q/K/O | V] offsets: call packed_varlen_attention, or compile with "
+            "vgraph, whose lower_packed pass builds them"
+        )
+    out = _at_supported_head_dim(resolved, q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
+    rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
+    return out.masked_fill_((rows >= cu_seqlens[-1])[:, None, None], 0)
+
+
+def _at_supported_head_dim(backend, q, k, v, cu_seqlens, max_seqlen, scale):
+    """The kernel's output at q's head_dim: q/k/v zero-padded to a head_dim the kernel runs, if it needs one, and
+    the output sliced back. Exact: zero columns add nothing to q.k, the padded output columns are dropped, and the
+    scale is the original head_dim's."""
+    kernel, head_dim = backend.load(), q.shape[-1]
+    width = backend.padded_head_dim(head_dim)
+    if width == head_dim:
+        return kernel(q, k, v, cu_seqlens, max_seqlen, scale)
+    q, k, v = (F.pad(t, (0, width - head_dim)) for t in (q, k, v))
+    return kernel(q, k, v, cu_seqlens, max_seqlen, head_dim**-0.5 if scale is None else scale)[..., :head_dim]
+
+
+@_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="auto"):
+    return q.new_empty(q.shape)
+
+
+VARLEN_ATTENTION = torch.ops.vgraph.varlen_attention
+"""The op packet (graphs hold its ``.default`` overload)."""
+
+varlen_attention = _varlen_attention
+
+
+@torch.library.custom_op("vgraph::packed_varlen_attention", mutates_args=())
+def packed_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed_offsets: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str = "packed_reference",
+) -> torch.Tensor:
+    """Varlen attention on FlashInfer's packed element offsets: int32 ``[Q/K/O offsets | V offsets]``, each half
+    ``segments + 1`` long and padded with its own last value.
+
+    q and k rows must be contiguous (``heads * head_dim`` apart), like the output, so one half serves all three;
+    v may be a strided view (of a fused qkv output), its offsets counted in its own stride. Rows past the last
+    Q/K/O offset come out zero.
+    """
+    row = q.shape[1] * q.shape[2]
+    dense_rows = all(
+        (t.shape[0] <= 1 or t.stride(0) == row) and t.stride(1) == t.shape[2] and t.stride(2) == 1 for t in (q, k)
+    )
+    if not dense_rows:
+        raise ValueError(
+            f"packed offsets share one Q/K/O half: q and k need contiguous rows (strides {q.stride()} and "
+            f"{k.stride()}); pass q.contiguous() and k.contiguous()"
+        )
+    kernel = registry.resolve(backend, q.device, q.dtype).load()
+    out = kernel(q, k, v, packed_offsets, max_seqlen, scale).contiguous()
+    end = packed_offsets[packed_offsets.shape[0] // 2 - 1] // row
+    rows = torch.arange(q.shape[0], device=q.device, dtype=packed_offsets.dtype)
+    return out.masked_fill_((rows >= end)[:, None, None], 0)
+
+
+@packed_varlen_attention.register_fake
+def _(q, k, v, packed_offsets, max_seqlen, scale=None, backend="packed_reference"):
+    return q.new_empty(q.shape)
+
+
+PACKED_VARLEN_ATTENTION = torch.ops.vgraph.packed_varlen_attention

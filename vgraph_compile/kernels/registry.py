@@ -1,0 +1,169 @@
+"""Attention backends behind ``vgraph::varlen_attention``.
+
+Every backend computes the same function on packed ``[tokens, heads, head_dim]`` tensors: rows of segment ``i``
+(``cu_seqlens[i] <= row < cu_seqlens[i + 1]``) attend to the rows of the same segment only. Rows at or past
+``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
+never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels that
+multiply across segments under a mask (``sdpa``, ``flex``, and ``fa4``, whose key tiles cross segment edges) pass
+k/v through ``segments.confine_nonfinite``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
+read each segment's own rows only. Backends must not synchronise with the host: they run inside captured CUDA
+graphs.
+
+Optional kernels are imported lazily, so a missing package is reported when that backend is chosen, not at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+AttentionBackendName = Literal[
+    "auto", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
+]
+"""Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One implementation of packed varlen attention."""
+
+    name: str
+    module: str
+    """Module under ``vgraph_compile.kernels`` defining ``attention(q, k, v, offsets, max_seqlen, scale)``."""
+    supports: Callable[["torch.device", "torch.dtype"], bool]
+    """Whether the kernel can run on this device and dtype (checked before a graph is built)."""
+    packed: bool = False
+    """Reads packed element offsets ``[Q/K/O | V]`` (``vgraph::packed_varlen_attention``) instead of token
+    cu_seqlens; the ``lower_packed`` pass rewrites sites for it."""
+    package: tuple[str, str] | None = None
+    """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
+    timed_by_auto: bool = True
+    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``graphs/kernel_choice.py``). Not: the
+    CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
+    kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
+    head_dims: tuple[int, ...] | None = None
+    """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
+    output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
+
+    def __post_init__(self) -> None:
+        if self.packed and self.head_dims is not None:
+            raise ValueError(
+                f"backend {self.name!r}: packed element offsets count head_dim, so a packed kernel cannot declare "
+                "head_dims to pad to"
+            )
+
+    def padded_head_dim(self, head_dim: int) -> int:
+        """The head dim the kernel runs ``head_dim`` at: itself, or the smallest supported one above it."""
+        if self.head_dims is None or head_dim in self.head_dims:
+            return head_dim
+        wider = [supported for supported in self.head_dims if supported > head_dim]
+        if not wider:
+            raise ValueError(
+                f"attention backend {self.name!r} runs head_dim up to {self.head_dims[-1]}, got {head_dim}: "
+                "choose another attention_backend"
+            )
+        return wider[0]
+
+    def load(self) -> Callable[..., "torch.Tensor"]:
+        return importlib.import_module(f"vgraph_compile.kernels.{self.module}").attention
+
+    def prepare(self, device: "torch.device") -> None:
+        """Set up what the kernel keeps across calls (e.g. a workspace) before any graph is captured."""
+        prepare = getattr(importlib.import_module(f"vgraph_compile.kernels.{self.module}"), "prepare", None)
+        if prepare is not None:
+            prepare(device)
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` (dotted names too) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def _cuda_half(device: "torch.device", dtype: "torch.dtype") -> bool:
+    import torch
+
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _torch_varlen_present()
+
+
+def _torch_varlen_present() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def _cuda_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
+    import torch
+
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def _hopper_half_kernel(device: "torch.device", dtype: "torch.dtype") -> bool:
+    import torch
+
+    return _cuda_half_kernel(device, dtype) and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
+    """cuDNN's fused attention: a cuDNN build of torch and an sm80+ GPU."""
+    import torch
+
+    return (
+        _cuda_half_kernel(device, dtype)
+        and torch.backends.cudnn.is_available()
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False),
+    "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
+    "cudnn": AttentionBackend(
+        "cudnn",
+        "cudnn",
+        _cudnn_attention,
+        package=("cudnn", "nvidia-cudnn-frontend"),
+        head_dims=tuple(range(8, 129, 8)),
+    ),
+    "fa4": AttentionBackend(
+        "fa4",
+        "fa4",
+        _hopper_half_kernel,
+        package=("flash_attn.cute", "flash-attn-4"),
+        head_dims=tuple(range(8, 129, 8)),
+    ),
+    "flashinfer": AttentionBackend(
+        "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
+    ),
+    "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
+    "flex": AttentionBackend("flex", "flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False),
+}
+
+
+def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:
+    """The backend ``name`` stands for on ``device``/``dtype``; ``"auto"`` picks the fastest one that runs there.
+
+    ``auto`` is torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the SDPA block-diagonal reference.
+    """
+    if name == "auto":
+        return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
+        )
+    backend = BACKENDS[name]
+    if backend.package is not None and not _installed(backend.package[0]):
+        raise ValueError(
+            f"attention backend {name!r} needs the optional package {backend.package[1]}: "
+            f"pip install {backend.package[1]}"
+        )
+    if not backend.supports(device, dtype):
+        raise ValueError(
+            f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa and flex "
+            "needs CUDA and fp16/bf16 (cudnn: an sm80+ GPU, fa4: sm90+); use attention_backend='auto' or 'sdpa'"
+        )
+    return backend

@@ -1,0 +1,233 @@
+"""``VGraphRuntime``: serves the calls of one traced encoder from the buckets its build made.
+
+Per call: read the real sizes from the inputs, validate them (before anything runs), choose the smallest bucket
+that holds every size, then, holding the runtime's lock: fill the bucket's buffers by each input's padding rule,
+replay (or run) the bucket, narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
+the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
+are inference-only).
+
+Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
+CUDA the lock is released once the work is queued, not finished; the next caller's stream waits for the previous
+call's copy-out (a CUDA event) before its fill, so callers on different streams are ordered too. The returned
+tensors are safe to read on the caller's stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import sympy
+import torch
+
+from vgraph_compile.compile.build import CompiledEncoder
+from vgraph_compile.compile.buckets import Bucket, BucketStats, padded_fraction
+from vgraph_compile.compile.padding import fill
+from vgraph_compile.counters import counters
+from vgraph_compile.spec import BucketShape, PassContext
+from vgraph_compile.serve.arguments import argument_rooted
+from vgraph_compile.serve.checks import CallChecks, CallPlan
+
+__all__ = ["VGraphRuntime", "BucketStats", "padded_fraction"]
+
+log = logging.getLogger(__name__)
+
+_SERIALS = itertools.count(1)
+
+
+@dataclass
+class _Miss:
+    reason: str
+    count: int = 0
+
+
+_CHOICE_CACHE_SIZE = 4096
+
+
+class VGraphRuntime:
+    """Token-budget buckets for one dynamo trace, and the eager trace as fallback."""
+
+    def __init__(
+        self,
+        encoder: CompiledEncoder,
+        checks: CallChecks,
+        ctx: PassContext,
+        sources: Sequence[Any],
+        keep_first_outputs: bool = False,
+    ) -> None:
+        self.serial = next(_SERIALS)
+        self.name = f"vgraph encoder #{self.serial}"
+        self.encoder = encoder
+        """The compiled graph and its buckets (built inside the backend's call, after the first call's checks)."""
+        self.checks = checks
+        self.spec = ctx.spec
+        self.config = ctx.config
+        self.device = ctx.device
+        self.misses: dict[str, _Miss] = {}
+        self._chosen: dict[tuple[int, ...], Bucket | None] = {}
+        """The bucket chosen per call sizes, kept once the graphs are captured (a capture may drop buckets)."""
+        self._lock = threading.Lock()
+        self._done: torch.cuda.Event | None = None
+        self._parameters_need_grad = any(
+            isinstance(value, torch.Tensor) and value.requires_grad for value in ctx.example_inputs
+        )
+        self.input_sources = list(sources)
+        """Dynamo's source of each graph input (None where it has none)."""
+        self.fixed_inputs = [
+            None if source is not None and argument_rooted(source) else value
+            for source, value in zip(self.input_sources, ctx.example_inputs)
+        ]
+        """The traced value of each input not read from the call's arguments (parameters, module state)."""
+        self.serves = 0
+        """Calls served (by a bucket or eagerly)."""
+        self._keep_first_outputs = keep_first_outputs
+        self.first_outputs: list[Any] | None = None
+        """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
+        encoder returns, then drops them); no other call's outputs are kept."""
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.encoder.buckets
+
+    def warmup(self) -> bool:
+        """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured."""
+        if self.encoder.captured:
+            return False
+        self.encoder.warmup()
+        return True
+
+    # -- per call ----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _violating(shape: BucketShape, sizes: dict[sympy.Symbol, int]) -> Iterator[tuple[sympy.Symbol, int, int]]:
+        """(symbol, real size, bucket size) for each size that keeps a call out of ``shape``: a bounded size over
+        its bound, or a pinned size that differs. Lazy, so the fit check stops at the first."""
+        for symbol, value in shape.values.items():
+            real = sizes.get(symbol, value)
+            if symbol in shape.fixed:
+                if real != value:
+                    yield symbol, real, value
+            elif real > value:
+                yield symbol, real, value
+
+    def _choose(self, plan: CallPlan) -> Bucket | None:
+        """The smallest bucket no size of the call exceeds; remembered per sizes once the graphs are captured."""
+        if plan.key in self._chosen:
+            return self._chosen[plan.key]
+        bucket = next((b for b in self.buckets if next(self._violating(b.shape, plan.sizes), None) is None), None)
+        if self.encoder.captured:
+            if len(self._chosen) >= _CHOICE_CACHE_SIZE:
+                self._chosen.clear()
+            self._chosen[plan.key] = bucket
+        return bucket
+
+    def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
+        miss = self.misses.setdefault(reason, _Miss(reason))
+        if miss.count == 0:
+            log.warning("%s: %s%s; running it eagerly (logged once per reason)", self.name, reason, detail)
+        miss.count += 1
+        counters.eager_fallbacks += 1
+        outputs = self.encoder.eager(*args)
+        self._remember_first(list(outputs))
+        return outputs
+
+    def _no_bucket(self, args: Sequence[Any], sizes: dict[sympy.Symbol, int]) -> Any:
+        if not self.buckets:
+            return self._miss("no bucket was built (see the warnings above)", args)
+        largest = self.buckets[-1].shape
+        over = sorted(self._violating(largest, sizes), key=lambda violation: str(violation[0]))
+        reason = "no bucket holds " + ", ".join(self.spec.describe(symbol) for symbol, _, _ in over)
+        detail = ", ".join(
+            f"{self.spec.describe(symbol)}={real} {'!=' if symbol in largest.fixed else '>'} {value}"
+            for symbol, real, value in over
+        )
+        return self._miss(reason, args, f" ({detail})")
+
+    def _remember_first(self, outputs: list[Any]) -> None:
+        if self.serves == 0 and self._keep_first_outputs:
+            self.first_outputs = outputs
+        self.serves += 1
+
+    def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
+        """Fill every buffer of the bucket from this call's arguments. Metadata is copied on every call too: a
+        tensor can change without its version counter moving (writes through ``.numpy()`` or ``.data``, a reused
+        pinned staging buffer), so no copy is skipped."""
+        for index, buffer in bucket.buffers.items():
+            fill(self.encoder.roles[index], buffer, args[index])
+
+    @staticmethod
+    def _narrow(outputs: Sequence[Any], plan: CallPlan) -> list[Any]:
+        """The outputs at the call's real sizes, copied out of the bucket's memory."""
+        results = []
+        for output, narrow in zip(outputs, plan.narrow):
+            if isinstance(narrow, tuple) and isinstance(output, torch.Tensor):
+                for dim, size in narrow:
+                    output = output.narrow(dim, 0, size)
+                output = output.clone()
+            elif isinstance(narrow, int):
+                output = narrow
+            results.append(output)
+        return results
+
+    def __call__(self, *args: Any) -> list[Any]:
+        plan = self.checks.check(args)
+        grad = torch.is_grad_enabled()
+        if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return self._miss("autograd is enabled (vgraph graphs are inference-only: use torch.no_grad())", args)
+        changed = [  # the hot path passes the traced tensor itself: no read of it per call
+            index
+            for index, value in self.encoder.folded.items()
+            if args[index] is not self.fixed_inputs[index] and args[index].item() != value
+        ]
+        if changed:
+            names = ", ".join(self.spec.describe_input(index) for index in changed)
+            return self._miss(f"{names} differ from the values the graphs were built with", args)
+        self.warmup()
+        bucket = self._choose(plan)
+        if bucket is None:
+            return self._no_bucket(args, plan.sizes)
+        with self._lock, torch.no_grad() if grad else contextlib.nullcontext():
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if self._done is not None:
+                stream.wait_event(self._done)
+            self._fill(bucket, args)
+            results = self._narrow(bucket.run(self.encoder.compiled), plan)
+            if stream is not None:
+                self._done = self._done or torch.cuda.Event()
+                self._done.record(stream)
+            bucket.stats.hits += 1
+            bucket.stats.real_tokens += plan.tokens
+            counters.replays += 1
+            self._remember_first(results)
+        return results
+
+    # -- reporting ---------------------------------------------------------------------------------------------
+    def stats_table(self) -> str:
+        """Per-bucket hits and padding, pool memory and the eager fallbacks, as a printable table."""
+        lines = [
+            "budget: token rows the bucket holds; segments, max_seqlen: per attention group; hits: calls served; "
+            "padded: share of its rows that were padding",
+            f"{'budget':>8} {'segments':>9} {'max_seqlen':>11} {'hits':>6} {'padded':>7}",
+        ]
+        for bucket in self.buckets:
+            stats = bucket.stats
+            lines.append(
+                f"{stats.budget:>8} {str(list(bucket.shape.segments)):>9} "
+                f"{str(list(bucket.shape.max_seqlen)):>11} {stats.hits:>6} {stats.padded_fraction:>7.1%}"
+            )
+        if self.encoder.kernels:
+            kernels = ", ".join(f"group {group}: {name}" for group, name in sorted(self.encoder.kernels.items()))
+            lines.append(f"attention kernels: {kernels}")
+        if self.encoder.cudagraphs:
+            lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
+        for miss in self.misses.values():
+            lines.append(f"eager fallback x{miss.count}: {miss.reason}")
+        return "\n".join(lines)
+
+    @property
+    def hits(self) -> int:
+        return sum(bucket.stats.hits for bucket in self.buckets)
