@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from vgraph_compile.kernels import registry
-from vgraph_compile.bench import median_ms, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
 
 HEADS = 16

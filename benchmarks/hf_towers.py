@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from vgraph_compile.bench import CASES_PX, cuda_graph_captures, median_ms, to_grid, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import cuda_graph_captures, median_ms
+from vgraph_compile.bench.workload import CASES_PX, to_grid
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.models.qwen_towers import qwen_tower
 

@@ -85,6 +85,11 @@ class VisionGeometry:
                 "merged tokens"
             )
 
+    def patch_width(self, channels: int) -> int:
+        """Values in one patch row of ``channels``-channel pixels: channels x temporal patch x patch x patch
+        (Qwen2.5-VL: 3 x 2 x 14 x 14 = 1176)."""
+        return channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
     @property
     def merged_window(self) -> int | None:
         """Window side in merged tokens (Qwen2.5-VL: 112 / 14 / 2 = 4)."""

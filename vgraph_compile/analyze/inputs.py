@@ -18,7 +18,16 @@ from vgraph_compile.fx_utils import ancestors, callable_name, example_value
 from vgraph_compile.spec import Binding, PassContext, user_name
 from vgraph_compile.symbolic import traced_values
 
-__all__ = ["Simplify", "simplifier", "Inputs", "graph_inputs", "source_inputs", "InputSizes", "input_sizes", "feature_sizes"]
+__all__ = [
+    "Simplify",
+    "simplifier",
+    "Inputs",
+    "graph_inputs",
+    "source_inputs",
+    "InputSizes",
+    "input_sizes",
+    "feature_sizes",
+]
 
 Simplify = Callable[[object], sympy.Expr]
 """A size (int, SymInt, sympy expression) in the trace's canonical symbols."""
