@@ -82,7 +82,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     spec = VarlenSpec(
         inputs=tuple(input_roles[index] for index in range(len(graph_inputs.nodes))),
         sites=tuple(
-            VarlenSite(f.site.node.name, f.site.op.name, group_of[f.site.node.name], related(f.rows)) for f in found
+            VarlenSite(f.site.node.name, group_of[f.site.node.name], related(f.rows)) for f in found
         ),
         groups=attention_groups,
         token_rows=substitute(related(found[0].rows), features),
