@@ -23,7 +23,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.hf.data_parallel import Assignment, LoadStats, assign, grid_hash
-from vgraph_compile.hf.tower_kinds import kind_of
 
 rows = st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12))
 
@@ -92,7 +91,7 @@ CASES = {
 
 
 def _inputs(tower, grid, seed):
-    width = kind_of(tower).patch_width(tower)
+    width = tower.patch_width
     patches = sum(t * h * w for t, h, w in grid)
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(patches, width, generator=generator), torch.tensor(grid, dtype=torch.int64).view(-1, 3)
