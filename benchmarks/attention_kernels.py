@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from vgraph_compile.kernels import registry
-from vgraph_compile.bench import median_ms, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
+from vgraph_compile.kernels.segments import cu_seqlens
 
 HEADS = 16
 HEAD_DIMS = (80, 72)
@@ -57,7 +59,7 @@ def attention_flops(lengths: list[int], head_dim: int) -> float:
 
 
 def _inputs(lengths, rows, slots, head_dim):
-    bounds = torch.tensor([0, *lengths] + [0] * (slots - len(lengths)), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bounds = cu_seqlens([*lengths] + [0] * (slots - len(lengths)))
     q, k, v = (torch.randn(rows, HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
     max_seqlen = max(lengths) if rows == sum(lengths) else rows
     return q, k, v, bounds.cuda(), max_seqlen
@@ -125,16 +127,11 @@ def measure_dense(lengths, head_dim, repeats) -> dict | None:
 
 def available(device: torch.device) -> list[str]:
     """Backends that resolve on this device for bf16 (the CPU offset reference excluded)."""
-    names = []
-    for name in registry.BACKENDS:
-        if name == "packed_reference":
-            continue
-        try:
-            registry.resolve(name, device, torch.bfloat16)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
+    return [
+        name
+        for name, backend in registry.BACKENDS.items()
+        if name != "packed_reference" and backend.available(device, torch.bfloat16)
+    ]
 
 
 def run(kernels: list[str], repeats: int, plain: set[str], json_path: str | None) -> dict:

@@ -8,6 +8,7 @@ from hypothesis import given
 from tests.kernels.test_segments import check_isolation, poisoned_calls
 from tests.helpers import run_backend, segment_reference
 from vgraph_compile.kernels import registry
+from vgraph_compile.kernels.segments import cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -17,10 +18,9 @@ KERNELS = [(name, dtype) for name in registry.BACKENDS for dtype in (torch.bfloa
 
 
 def _require(name, dtype):
-    try:
-        registry.resolve(name, CUDA, dtype)
-    except ValueError as unavailable:
-        pytest.skip(str(unavailable))
+    reason = registry.BACKENDS[name].unavailable(CUDA, dtype)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("name", list(registry.BACKENDS))
@@ -35,7 +35,7 @@ def test_kernel_matches_float64_reference(name, dtype, head_dim):
     lengths = [1, 0, 300, 129, 2000, 7]
     generator = torch.Generator().manual_seed(head_dim)
     q, k, v = (torch.randn(4096, 4, head_dim, generator=generator).to(CUDA, dtype) for _ in range(3))
-    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(CUDA, torch.int32)
+    cu = cu_seqlens(lengths, CUDA)
     end = sum(lengths)
     for t in (q, k, v):
         t[end:] = float("nan")

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
+from vgraph_compile.hf.tower_kinds import kind_of
 
 # (t, h, w) in patches: images and short videos, thin strips, and the smallest 2x2 merged grid (4 x 4 patches)
 rows = st.tuples(st.sampled_from([1, 1, 2, 3]), st.sampled_from([4, 4, 8, 12, 16]), st.sampled_from([4, 8, 12, 20, 4]))
@@ -26,7 +27,7 @@ def compiled(towers):
 
 def _inputs(tower, grid):
     grid_thw = torch.tensor(grid)
-    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    width = kind_of(tower).patch_width(tower)
     return torch.randn(int(grid_thw.prod(-1).sum()), width), grid_thw
 
 
@@ -80,7 +81,7 @@ def test_split_and_eager_fallback_paths(towers, compiled, name):
 )
 def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, message):
     tower = towers["qwen2-vl"]
-    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    width = kind_of(tower).patch_width(tower)
     with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
     with torch.no_grad(), pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):

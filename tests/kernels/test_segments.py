@@ -12,11 +12,7 @@ from vgraph_compile.kernels.segments import confine_nonfinite, segment_ids
 
 
 def _skip_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    try:
-        registry.resolve(name, device, dtype)
-    except ValueError as unavailable:
-        return str(unavailable)
-    return None
+    return registry.BACKENDS[name].unavailable(device, dtype)
 
 
 @st.composite

@@ -53,16 +53,11 @@ class GroupShape:
 
 
 def _candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
-    names = []
-    for name, backend in registry.BACKENDS.items():
-        if backend.packed or not backend.timed_by_auto:
-            continue
-        try:
-            registry.resolve(name, device, dtype)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
+    return [
+        name
+        for name, backend in registry.BACKENDS.items()
+        if not backend.packed and backend.timed_by_auto and backend.available(device, dtype)
+    ]
 
 
 def _time_ms(name: str, shape: GroupShape, device: torch.device) -> float:

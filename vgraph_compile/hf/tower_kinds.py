@@ -80,6 +80,10 @@ class TowerKind:
             window_size=config.window_size if self.windows else None,
         )
 
+    def patch_width(self, tower: torch.nn.Module) -> int:
+        """Width of the tower's ``pixel_values`` rows."""
+        return self.geometry(tower).patch_width(tower.config.in_channels)
+
     def output_class(self, tower: torch.nn.Module) -> type:
         module = sys.modules[type(tower).__module__]
         name = "BaseModelOutputWithDeepstackFeatures" if self.deepstack else "BaseModelOutputWithPooling"

@@ -7,7 +7,6 @@ compiled tower, and put every item's rows back in the caller's order.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from typing import Any
@@ -18,10 +17,11 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.grid_metadata import GridMetadata
 from vgraph_compile.hf.packing import Batch, pack
 from vgraph_compile.hf.tower_kinds import Grid, TowerKind, hidden_width, kind_of
 
-__all__ = ["CompiledVisionTower", "compile_vision_tower"]
+__all__ = ["CompiledVisionTower", "compile_vision_tower", "TowerCall"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def _row_starts(grid) -> list[int]:
     return starts
 
 
-class _TowerCall(torch.nn.Module):
+class TowerCall(torch.nn.Module):
     """The traced forward: the tower with every grid-dependent value passed in, so nothing syncs the host.
 
     The ``torch._check`` calls state what holds by construction (one position id, interpolation row per patch;
@@ -123,10 +123,8 @@ class CompiledVisionTower(torch.nn.Module):
         """The tower's own output type (BaseModelOutputWithPooling, or Qwen3's with deepstack features)."""
         self.vgraph_config = config
         self.geometry = config.geometry
-        self._metadata: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
-        self._metadata_cache_size = metadata_cache_size
-        patch = self.geometry.patch_size
-        self.patch_width = tower.config.in_channels * self.geometry.temporal_patch_size * patch * patch
+        self.grid_metadata = GridMetadata(tower, self.kind, metadata_cache_size)
+        self.patch_width = self.geometry.patch_width(tower.config.in_channels)
         self.out_width = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
         self.split_calls = 0
         self.stock_calls = 0
@@ -137,10 +135,10 @@ class CompiledVisionTower(torch.nn.Module):
 
     def _compile(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
-        self.__dict__["compiled"] = encoder(_TowerCall(self.tower), config=self.vgraph_config)
+        self.__dict__["compiled"] = encoder(TowerCall(self.tower), config=self.vgraph_config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
-        self._metadata.clear()
+        self.grid_metadata.clear()
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -211,21 +209,6 @@ class CompiledVisionTower(torch.nn.Module):
         return grid
 
     # -- per call ----------------------------------------------------------------------------------------------
-    def _metadata_for(self, grid: Grid, device: torch.device) -> dict:
-        key = (grid, device)
-        if key in self._metadata:
-            self._metadata.move_to_end(key)
-            return self._metadata[key]
-        with torch.inference_mode(False):  # plain tensors keep a version counter: the runtime skips re-copying them
-            host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
-            metadata = {
-                name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()
-            }
-        self._metadata[key] = metadata
-        if len(self._metadata) > self._metadata_cache_size:
-            self._metadata.popitem(last=False)
-        return metadata
-
     def warmup(self) -> None:
         """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
 
@@ -243,7 +226,7 @@ class CompiledVisionTower(torch.nn.Module):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
-        metadata = self._metadata_for(grid, pixel_values.device)
+        metadata = self.grid_metadata(grid, pixel_values.device)
         return self.compiled(pixel_values, *(metadata.get(name) for name in _METADATA_KEYS))
 
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):

@@ -68,6 +68,26 @@ class AttentionBackend:
             )
         return wider[0]
 
+    def unavailable(self, device: "torch.device", dtype: "torch.dtype") -> str | None:
+        """Why the kernel cannot run on ``device`` with ``dtype`` (its package missing, or the device or dtype
+        unsupported), in a message that says what to do; None when it can."""
+        if self.package is not None and not _installed(self.package[0]):
+            return (
+                f"attention backend {self.name!r} needs the optional package {self.package[1]}: "
+                f"pip install {self.package[1]}"
+            )
+        if not self.supports(device, dtype):
+            return (
+                f"attention backend {self.name!r} cannot run on {device.type} with {dtype}: every backend but sdpa "
+                "and flex needs CUDA and fp16/bf16 (cudnn: an sm80+ GPU, fa4: sm90+); use attention_backend='auto' "
+                "or 'sdpa'"
+            )
+        return None
+
+    def available(self, device: "torch.device", dtype: "torch.dtype") -> bool:
+        """Whether the kernel can run here: its package installed and ``device``/``dtype`` supported."""
+        return self.unavailable(device, dtype) is None
+
     def load(self) -> Callable[..., "torch.Tensor"]:
         return importlib.import_module(f"vgraph_compile.kernels.{self.module}").attention
 
@@ -156,14 +176,7 @@ def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> Attentio
             f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
         )
     backend = BACKENDS[name]
-    if backend.package is not None and not _installed(backend.package[0]):
-        raise ValueError(
-            f"attention backend {name!r} needs the optional package {backend.package[1]}: "
-            f"pip install {backend.package[1]}"
-        )
-    if not backend.supports(device, dtype):
-        raise ValueError(
-            f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa and flex "
-            "needs CUDA and fp16/bf16 (cudnn: an sm80+ GPU, fa4: sm90+); use attention_backend='auto' or 'sdpa'"
-        )
+    reason = backend.unavailable(device, dtype)
+    if reason is not None:
+        raise ValueError(reason)
     return backend

@@ -1,4 +1,5 @@
-"""Segment bookkeeping shared by the backends that see the whole packed buffer at once (masked kernels).
+"""Segment bookkeeping: cu_seqlens from lengths, and what the backends that see the whole packed buffer at once
+(masked kernels) share.
 
 A masked kernel still multiplies across segments: a masked score is ``-inf`` only if it was finite before the
 mask was added, and a zero attention weight times a NaN or Inf value is NaN. ``confine_nonfinite`` removes both
@@ -10,6 +11,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+__all__ = ["cu_seqlens", "segment_ids", "confine_nonfinite"]
+
+
+def cu_seqlens(lengths, device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 offsets ``[0, l0, l0 + l1, ...]`` of segments of ``lengths`` (a sequence of ints or a 1-D tensor):
+    ``len(lengths) + 1`` entries, the last one the total row count."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int32, device=device)
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def segment_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
