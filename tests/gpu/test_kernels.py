@@ -8,6 +8,7 @@ from hypothesis import given
 
 from tests.kernels.test_segments import check_isolation, confinement_cases, poisoned_calls
 from tests.helpers import run_backend, segment_reference
+from vgraph_compile.compile import kernel_timing
 from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import (
     confine_nonfinite,
@@ -124,3 +125,13 @@ def test_triton_confinement_replays_in_a_cuda_graph():
         assert torch.equal(confined_k, expected_k) and torch.equal(confined_v, expected_v)
         assert torch.equal(poisoned.bool(), expected_poisoned)
         assert torch.equal(marked.isnan(), mark_poisoned_reference(out, cu, expected_poisoned).isnan())
+
+
+@pytest.mark.parametrize("head_dim", [72, 80])
+def test_auto_times_every_candidate_as_a_graph_replay(head_dim):
+    """Each kernel ``auto`` would time is captured and replayed on a full-attention group's shape."""
+    shape = kernel_timing.GroupShape(rows=2304, segment=2304, heads=4, head_dim=head_dim, dtype=torch.bfloat16)
+    names = kernel_timing._candidates(CUDA, torch.bfloat16)
+    assert "torch_varlen" in names
+    for name in names:
+        assert 0 < kernel_timing._time_ms(name, shape, CUDA) < 100, name
