@@ -5,7 +5,7 @@ Every backend computes the same function on packed ``[tokens, heads, head_dim]``
 ``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
 never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels that
 multiply across segments under a mask (``sdpa``, ``flex``, and ``fa4``, whose key tiles cross segment edges) pass
-k/v through ``segments.confine_nonfinite``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
+k/v through ``segments.confined``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
 read each segment's own rows only. Backends must not synchronise with the host: they run inside captured CUDA
 graphs.
 
@@ -42,7 +42,7 @@ class AttentionBackend:
     package: tuple[str, str] | None = None
     """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
     timed_by_auto: bool = True
-    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``graphs/kernel_choice.py``). Not: the
+    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``compile/kernel_timing.py``). Not: the
     CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
     kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
     head_dims: tuple[int, ...] | None = None
