@@ -60,7 +60,7 @@ def test_resolve_rejects_unknown_and_unsupported_backends():
         registry.resolve("flash", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="'torch_varlen' cannot run on cpu"):
         registry.resolve("torch_varlen", torch.device("cpu"), torch.bfloat16)
-    assert registry.resolve("auto", torch.device("cpu"), torch.bfloat16).name == "sdpa"
+    assert registry.resolve("default", torch.device("cpu"), torch.bfloat16).name == "sdpa"
 
 
 @given(lengths=segment_lists, padding=st.integers(0, 8))

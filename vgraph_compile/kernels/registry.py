@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     import torch
 
 AttentionBackendName = Literal[
-    "auto", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
+    "default", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
 ]
-"""Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
+"""Names accepted by the ops' ``backend`` argument. ``"default"`` is a fixed rule (``resolve``); the measured
+choice is ``VGraphConfig.attention_backend="auto"`` (``compile/kernel_timing.py``)."""
 
 
 @dataclass(frozen=True)
@@ -165,15 +166,16 @@ BACKENDS: dict[str, AttentionBackend] = {
 
 
 def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:
-    """The backend ``name`` stands for on ``device``/``dtype``; ``"auto"`` picks the fastest one that runs there.
+    """The backend ``name`` stands for on ``device``/``dtype``.
 
-    ``auto`` is torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the SDPA block-diagonal reference.
+    ``"default"`` is a fixed rule, no measurement: torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the
+    SDPA block-diagonal reference.
     """
-    if name == "auto":
+    if name == "default":
         return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
     if name not in BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
+            f"unknown attention backend {name!r}: choose one of {['default', *BACKENDS]}"
         )
     backend = BACKENDS[name]
     reason = backend.unavailable(device, dtype)
