@@ -55,7 +55,7 @@ class VGraphConfig:
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
     attention_backend: AttentionBackendName = "auto"
     """Kernel behind every varlen-attention site; auto: on CUDA the fastest installed kernel per attention group,
-    timed at warm-up (graphs/kernel_choice.py), else SDPA. flashinfer (cuDNN) and packed_reference (its CPU
+    timed at warm-up (compile/kernel_timing.py), else SDPA. flashinfer (cuDNN) and packed_reference (its CPU
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
@@ -63,7 +63,7 @@ class VGraphConfig:
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
     (fast to build; for tests and debugging)."""
     align_matmuls: bool | None = None
-    """Pad misaligned matmul widths with zeros (``passes/align_matmuls``; exact). None: where it pays, on CUDA when a
+    """Pad misaligned matmul widths with zeros (``rewrite/align_matmuls``; exact). None: where it pays, on CUDA when a
     width is not a multiple of 16 bytes; True: every width not a multiple of 64; False: never."""
     check_values: bool = True
     """Check cu_seqlens values (start 0, non-decreasing, end at the token count) before a graph runs.

@@ -42,7 +42,7 @@ class AttentionBackend:
     package: tuple[str, str] | None = None
     """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
     timed_by_auto: bool = True
-    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``graphs/kernel_choice.py``). Not: the
+    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``compile/kernel_timing.py``). Not: the
     CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
     kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
     head_dims: tuple[int, ...] | None = None
