@@ -64,7 +64,7 @@ class VGraphConfig:
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
     (fast to build; for tests and debugging)."""
     align_matmuls: bool | None = None
-    """Pad misaligned matmul widths with zeros (``passes/align_matmuls``; exact). None: where it pays, on CUDA when a
+    """Pad misaligned matmul widths with zeros (``rewrite/align_matmuls``; exact). None: where it pays, on CUDA when a
     width is not a multiple of 16 bytes; True: every width not a multiple of 64; False: never."""
     check_values: bool = True
     """Check cu_seqlens values (start 0, non-decreasing, end at the token count) before a graph runs.

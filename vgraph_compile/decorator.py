@@ -3,7 +3,7 @@
 The first call traces with ``torch.compile(fn, backend=VGraphBackend(config), dynamic=True, fullgraph=True)``
 under ``trace_options()``: one trace with symbolic token and segment sizes serves every call, and a graph break
 is an error rather than a silent slow path. Later calls skip dynamo: the call's arguments are read into the
-graph's inputs (``runtime/arguments``) and the runtime validates, fills, replays and narrows. A call the trace
+graph's inputs (``serve/arguments``) and the runtime validates, fills, replays and narrows. A call the trace
 cannot tell apart without a retrace (another argument structure, another specialized constant) goes through
 dynamo again. A call with autograd enabled on trainable parameters or inputs runs the encoder as written.
 The returned callable exposes ``.vgraph`` (the backend, with its runtimes and their stats).

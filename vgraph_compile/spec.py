@@ -32,7 +32,7 @@ def user_name(name: str) -> str:
 
 
 class Role(str, enum.Enum):
-    """What a graph input is, found from data flow; each role has one padding rule (``graphs/padding.py``)."""
+    """What a graph input is, found from data flow; each role has one padding rule (``compile/padding.py``)."""
 
     TOKENS = "tokens"
     """Tensor with token-sized dims: copied, the padded rows zeroed."""

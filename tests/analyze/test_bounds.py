@@ -124,7 +124,9 @@ def test_token_caps_are_the_largest_size_of_any_call_in_the_budget(coefficients,
     assert caps == {s: max(call[i] for call in calls) for i, s in enumerate(symbols)}
 
 
-def _cls_trace():
+@pytest.fixture(scope="module")
+def cls_context():
+    """The CLS encoder's pass context after discovery and bounds, budgets (32, 128), 6 segments."""
     from vgraph_compile.models.examples import cls_vit
 
     model, inputs = cls_vit()
@@ -135,13 +137,11 @@ def _cls_trace():
     return ctx
 
 
-CLS = _cls_trace()
-
-
-def test_cls_rows_are_a_sum_of_patches_and_images():
+def test_cls_rows_are_a_sum_of_patches_and_images(cls_context):
     """A CLS row per image: the budget bounds patches + images; 6 segments, and patches <= budget - 1 image."""
+    ctx = cls_context
     assert_expected_inline(
-        CLS.spec.format().splitlines()[0] + "\n" + "\n".join(bucket.format(CLS.spec) for bucket in CLS.buckets),
+        ctx.spec.format().splitlines()[0] + "\n" + "\n".join(bucket.format(ctx.spec) for bucket in ctx.buckets),
         """\
 tokens: cu_seqlens.shape[0] + patches.shape[0] - 1
 budget 32: segments=[6] max_seqlen=[32] (cu_seqlens.shape[0]<=7 max_seqlen<=32 patches.shape[0]<=31)
@@ -150,12 +150,13 @@ budget 128: segments=[6] max_seqlen=[128] (cu_seqlens.shape[0]<=7 max_seqlen<=12
 
 
 @given(lengths=st.lists(st.integers(1, 127), min_size=1, max_size=6))
-def test_every_cls_call_within_a_budget_fits_its_bucket(lengths):
+def test_every_cls_call_within_a_budget_fits_its_bucket(cls_context, lengths):
     """Any call of <= 6 images whose rows (patches + images) are within a budget fits that budget's bucket."""
+    ctx = cls_context
     real = {"patches.shape[0]": sum(lengths), "cu_seqlens.shape[0]": len(lengths) + 1}
-    sizes = {symbol: real[CLS.spec.describe(symbol)] for symbol in CLS.spec.token_symbols}
+    sizes = {symbol: real[ctx.spec.describe(symbol)] for symbol in ctx.spec.token_symbols}
     rows = sum(lengths) + len(lengths)
-    for bucket in CLS.buckets:
+    for bucket in ctx.buckets:
         fits = all(value <= bucket.values[symbol] for symbol, value in sizes.items())
         assert fits or rows > bucket.budget, f"{lengths} ({rows} rows) does not fit budget {bucket.budget}"
 

@@ -75,4 +75,5 @@ def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(length
     assert capacity[:half].tolist() == (cu * 8).tolist() + [8 * tokens] * extra
     assert capacity[half:].tolist() == (cu * v.stride(0)).tolist() + [v.stride(0) * tokens] * extra
     flat = torch.cat([packed, packed[-1:].expand(2 * extra)])
-    assert flat[half - 1] != 8 * tokens, "flat padding puts a V offset at the end of the Q/K/O half"
+    assert not torch.equal(capacity, flat), "fill padded the offsets as one flat sequence"
+    assert capacity[half - 1] == 8 * tokens != flat[half - 1], "flat padding ends the Q/K/O half on a V offset"

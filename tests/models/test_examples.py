@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vgraph_compile
+from tests.helpers import counter_changes
 from vgraph_compile.models import examples
 from vgraph_compile.models.packed_vit import pack_images
 
@@ -33,20 +34,31 @@ def _compiled(factory, entry, **options):
     return model, compiled
 
 
-ENCODERS = {
-    (factory, entry): _compiled(factory, entry)
-    for factory, entry in (("cls_vit", "torch.compile"), ("cls_vit", "decorator"), ("register_vit", "torch.compile"))
-}
+ROWS_PER_IMAGE = {"cls_vit": 1, "register_vit": 4}
+"""The rows each image adds to its patches in the attention."""
 
 
-@pytest.mark.parametrize("factory, entry", list(ENCODERS))
+@pytest.fixture(scope="module", params=[("cls_vit", "torch.compile"), ("cls_vit", "decorator"),
+                                        ("register_vit", "torch.compile")], ids="-".join)  # fmt: skip
+def sum_of_sizes_encoder(request):
+    factory, entry = request.param
+    return factory, entry, *_compiled(factory, entry)
+
+
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6))
-def test_sum_of_sizes_encoders_match_eager(factory, entry, lengths):
-    """CLS and register rows are scattered in the graph; any images within the largest budget match eager."""
-    model, compiled = ENCODERS[factory, entry]
+def test_sum_of_sizes_encoders_match_eager(sum_of_sizes_encoder, lengths):
+    """CLS and register rows are scattered in the graph; any images match eager. A call is served by a bucket
+    graph when its patches fit the largest budget less one image's extra rows (each size is bounded by the budget
+    less the least the others take), the others run eagerly; a call that retraces is served by its new trace. Plain torch.compile specializes a size of 1: a call
+    of one patch gets a static trace, run as traced (neither served nor a fallback)."""
+    factory, entry, model, compiled = sum_of_sizes_encoder
     inputs = pack_images(lengths, 24)
-    with torch.no_grad():
+    fits = sum(lengths) <= OPTIONS["token_budgets"][-1] - ROWS_PER_IMAGE[factory]
+    static = entry == "torch.compile" and lengths == [1]
+    with torch.no_grad(), counter_changes() as changes:
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    served = fits and not static
+    assert (changes["replays"], changes["eager_fallbacks"]) == (int(served), int(not fits and not static)), changes
 
 
 GRIDS = st.lists(

@@ -2,7 +2,7 @@
 
 Invariant: never mutates the graph; stores one ``BucketShape`` per budget in ``ctx.buckets``. A call fits a
 bucket when each of its sizes is at most the bucket's; every call whose token rows are at most the budget and
-whose segments fit the group capacities fits the bucket of that budget (``tests/passes/test_bounds.py`` proves
+whose segments fit the group capacities fits the bucket of that budget (``tests/analyze/test_bounds.py`` proves
 it over generated calls).
 
 Symbols covered:

@@ -11,8 +11,8 @@ Buffers: each copied input has one flat storage, sized for the largest bucket; a
 view of its first elements. Buckets never run at the same time (the runtime serializes calls), so they share it.
 On CPU (or with ``cudagraphs=False``) a bucket runs the compiled code on its buffers each call.
 
-What this module does not own: filling the buffers per call (``graphs/padding``, called by ``runtime/runner``), choosing a bucket, and the
-order of calls (``runtime/runner``).
+What this module does not own: filling the buffers per call (``compile/padding``, called by ``serve/runtime``),
+choosing a bucket, and the order of calls (``serve/runtime``).
 """
 
 from __future__ import annotations

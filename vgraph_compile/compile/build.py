@@ -50,7 +50,7 @@ class CompiledEncoder:
     kernels: dict[int, str] = field(default_factory=dict)
     """Attention group -> the kernel its sites run."""
     folded: dict[int, float | int | bool] = field(default_factory=dict)
-    """Graph input index -> the scalar value the graphs were built with (``passes/fold_scalars``)."""
+    """Graph input index -> the scalar value the graphs were built with (``rewrite/fold_scalars``)."""
     pool_bytes: int = 0
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
     captured: bool = False

@@ -4,7 +4,7 @@ Invariant: one compile per trace (``counters.compiles``). The compiled code take
 bucket's sizes, so a bucket costs a capture, never a compile. Inductor's own size decisions (32-bit indexing,
 matmul choices) can add guards to the trace's ShapeEnv while it lowers; each one is checked at every bucket's
 sizes here, and a bucket where one fails is dropped with a warning rather than served by code that assumed
-otherwise. ``shape_padding`` is off: its guards split the budget range, and ``passes/align_matmuls`` pads the
+otherwise. ``shape_padding`` is off: its guards split the budget range, and ``rewrite/align_matmuls`` pads the
 widths that need it instead.
 
 The example inputs inductor sees are the trace's fake values: token-sized tensors contiguous (the runtime's
