@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.models.packed_vit import PackedViT, PlacedClsViT, pack_images
 from vgraph_compile.analyze import bounds, discover
 
 
@@ -176,4 +176,34 @@ def test_window_group_is_named_not_guessed_from_the_traced_image():
     gm, ctx = trace(model, *inputs, config=unnamed)
     assert_expected_inline(
         _bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 67] max_seqlen=[1024, 1024]"""
+    )
+
+
+class TiedPlacedClsViT(PlacedClsViT):
+    """PlacedClsViT with its CLS count tied to the segment count."""
+
+    def forward(self, patches, cu_seqlens, max_seqlen, cls_rows, patch_rows):
+        torch._check(cls_rows.shape[0] == cu_seqlens.shape[0] - 1)
+        return super().forward(patches, cu_seqlens, max_seqlen, cls_rows, patch_rows)
+
+
+def test_placement_indices_get_the_sizes_of_what_they_place():
+    """Placement indices take no bound from the dim they write (it is longer than they are): untied, the CLS rows
+    get the budget like the patches; tied to the segments, as many as the segments."""
+    from vgraph_compile.models.examples import placed_cls_vit
+
+    model, inputs = placed_cls_vit()
+    tied = TiedPlacedClsViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16)
+    config = VGraphConfig(token_budgets=(32,), max_segments=6, compiler="eager")
+    shapes = []
+    for encoder in (model, tied):
+        gm, ctx = trace(encoder, *inputs, config=config)
+        discover.run(gm, ctx)
+        bounds.run(gm, ctx)
+        shapes.append(ctx.buckets[0].format(ctx.spec))
+    assert_expected_inline(
+        "\n".join(shapes),
+        """\
+budget 32: segments=[6] max_seqlen=[32] (cls_rows.shape[0]<=32 cu_seqlens.shape[0]<=7 max_seqlen<=32 patches.shape[0]<=32)
+budget 32: segments=[6] max_seqlen=[32] (cls_rows.shape[0]<=6 max_seqlen<=32 patches.shape[0]<=31)""",
     )

@@ -15,7 +15,8 @@ Symbols covered:
   call (a segment count: one segment; any other size: 0), and a segment symbol also at most its capacity;
 - a symbol the graph ties to others (``spec.relations``, e.g. tokens = 4 n): its relation's value;
 - MAX_SEQLEN inputs: the group's bound: ``budget`` (a segment can hold every token), or the geometry's;
-- a GATHER_INDEX length: the bucket size of the dim it indexes (a permutation is that long, padded by identity);
+- a GATHER_INDEX / SCATTER_INDEX length: the bucket size of the dim it indexes (a permutation is that long,
+  padded by identity); a PLACEMENT_INDEX is shorter than the dim it writes: its length is bounded as any size;
 - a symbol a guard equates to assigned ones (``Eq(s44, s99)``): that value;
 - feature widths and any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens):
   fixed at its traced value, never bounded by a guess; a call with another value fits no bucket (eager).
@@ -33,7 +34,7 @@ import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from vgraph_compile.symbolic import evaluate, substitute, traced_values
-from vgraph_compile.spec import BucketShape, PassContext, VarlenSpec
+from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
 
 __all__ = ["run", "solve_for", "window_groups", "token_caps", "output_ranges"]
 
@@ -160,7 +161,7 @@ def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketSh
 
     _follow_relations(ctx, values)
     for role in spec.inputs:
-        if role.indexed is not None:
+        if role.indexed is not None and role.role is not Role.PLACEMENT_INDEX:
             length = spec.input_shapes[role.index][0]
             capacity = evaluate(role.indexed, values, f"the dim {role.name} indexes")
             solved = solve_for(length, capacity, f"length of gather index {role.name}")

@@ -1,7 +1,8 @@
 """Padding rules: how a real input fills its bucket's persistent buffer, one rule per ``Role``.
 
 Invariant: after ``fill``, ``buffer[:n]`` (along the padded dim) equals the input, and the rest holds the role's
-padding, whatever the buffer held before. No rule reads device data on the host.
+padding, whatever the buffer held before. No rule reads device data on the host: the one size a rule needs
+beyond the value's own (the real size of the dim a PLACEMENT_INDEX writes) comes from the call's plan.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from vgraph_compile.spec import Role
 
-__all__ = ["fill", "fill_empty", "RULES"]
+__all__ = ["fill", "fill_empty", "RULES", "WRITTEN_SIZE_ROLES"]
 
 
 def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -42,13 +43,19 @@ def _repeat_last_per_half(buffer: torch.Tensor, value: torch.Tensor) -> None:
     _repeat_last(buffer[target:], value[source:])
 
 
-def _identity(buffer: torch.Tensor, value: torch.Tensor) -> None:
+def _from_written(buffer: torch.Tensor, value: torch.Tensor, written: int) -> None:
+    """Padded entries ``written, written + 1, ...``: each the next row past the ``written`` real rows of the dim
+    the index writes, so none is a real row and no two are equal."""
     rows = value.shape[0]
     buffer[:rows].copy_(value)
-    torch.arange(rows, buffer.shape[0], out=buffer[rows:])
+    torch.arange(written, written + buffer.shape[0] - rows, out=buffer[rows:])
 
 
-RULES: dict[Role, Callable[[torch.Tensor, torch.Tensor], None]] = {
+def _identity(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    _from_written(buffer, value, value.shape[0])
+
+
+RULES: dict[Role, Callable[..., None]] = {
     Role.TOKENS: _zeros,
     Role.STATIC: _zeros,
     Role.SEGMENT_LENGTHS: _zeros,
@@ -57,15 +64,24 @@ RULES: dict[Role, Callable[[torch.Tensor, torch.Tensor], None]] = {
     Role.PACKED_OFFSETS: _repeat_last_per_half,
     Role.GATHER_INDEX: _identity,
     Role.SCATTER_INDEX: _identity,
+    Role.PLACEMENT_INDEX: _from_written,
 }
+"""Role -> rule ``(buffer, value)``; the rules of ``WRITTEN_SIZE_ROLES`` take ``(buffer, value, written)``."""
+
+WRITTEN_SIZE_ROLES = frozenset({Role.PLACEMENT_INDEX})
+"""Roles whose rule also reads the call's real size of the dim the input writes (``CallPlan.written``)."""
 
 
-def fill(role: Role, buffer: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy ``value`` into ``buffer`` and pad the rest by ``role``'s rule."""
-    RULES[role](buffer, value)
+def fill(role: Role, buffer: torch.Tensor, value: torch.Tensor, written: int | None = None) -> None:
+    """Copy ``value`` into ``buffer`` and pad the rest by ``role``'s rule; ``written`` is the call's real size of
+    the dim the input writes, for the roles of ``WRITTEN_SIZE_ROLES`` (None for the others)."""
+    if written is None:
+        RULES[role](buffer, value)
+    else:
+        RULES[role](buffer, value, written)
 
 
 def fill_empty(role: Role, buffer: torch.Tensor) -> None:
     """Fill ``buffer`` as for a call with no tokens: one offset 0 (two for packed offsets), no rows."""
     rows = {Role.SEGMENT_OFFSETS: 1, Role.PACKED_OFFSETS: 2}.get(role, 0)
-    fill(role, buffer, buffer.new_zeros((rows, *buffer.shape[1:])))
+    fill(role, buffer, buffer.new_zeros((rows, *buffer.shape[1:])), 0 if role in WRITTEN_SIZE_ROLES else None)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import sympy
 import torch
 
+from vgraph_compile.compile.padding import WRITTEN_SIZE_ROLES
 from vgraph_compile.spec import PassContext, Role
 from vgraph_compile.symbolic import evaluate
 
@@ -31,6 +32,8 @@ class CallPlan:
     tokens: int
     ends: dict[int, int]
     """Per offsets input (by index): the row count its last entry must equal, where the graph states one."""
+    written: dict[int, int]
+    """Per input whose padding rule reads it (``padding.WRITTEN_SIZE_ROLES``): the real size of the dim it writes."""
     narrow: tuple[tuple[tuple[int, int], ...] | int | None, ...]
     """Per output: (dim, real size) pairs to narrow a tensor to, its value for an int output, or None."""
 
@@ -55,6 +58,7 @@ class CallChecks:
         self.config = ctx.config
         self._plans: dict[tuple[int, ...], CallPlan] = {}
         self._offsets = [role for role in self.spec.inputs if role.role is Role.SEGMENT_OFFSETS]
+        self._writers = [role for role in self.spec.inputs if role.role in WRITTEN_SIZE_ROLES]
         self._max_seqlen = {
             group.offsets_input: group.max_seqlen_inputs for group in self.spec.groups if group.max_seqlen_inputs
         }
@@ -102,8 +106,12 @@ class CallChecks:
             for group in self.spec.groups
             if group.ends_at is not None
         }
+        written = {
+            role.index: evaluate(role.indexed, sizes, f"the dim {self.spec.describe_input(role.index)} writes")
+            for role in self._writers
+        }
         tokens = evaluate(self.spec.token_rows, sizes, "the token rows")
-        plan = CallPlan(key, sizes, tokens, ends, tuple(narrow))
+        plan = CallPlan(key, sizes, tokens, ends, written, tuple(narrow))
         if len(self._plans) >= _PLAN_CACHE_SIZE:
             self._plans.clear()
         self._plans[key] = plan

@@ -152,12 +152,12 @@ class VGraphRuntime:
             self.first_outputs = outputs
         self.serves += 1
 
-    def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
+    def _fill(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> None:
         """Fill every buffer of the bucket from this call's arguments. Metadata is copied on every call too: a
         tensor can change without its version counter moving (writes through ``.numpy()`` or ``.data``, a reused
         pinned staging buffer), so no copy is skipped."""
         for index, buffer in bucket.buffers.items():
-            fill(self.encoder.roles[index], buffer, args[index])
+            fill(self.encoder.roles[index], buffer, args[index], plan.written.get(index))
 
     @staticmethod
     def _narrow(outputs: Sequence[Any], plan: CallPlan) -> list[Any]:
@@ -194,7 +194,7 @@ class VGraphRuntime:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
                 stream.wait_event(self._done)
-            self._fill(bucket, args)
+            self._fill(bucket, args, plan)
             results = self._narrow(bucket.run(self.encoder.compiled), plan)
             if stream is not None:
                 self._done = self._done or torch.cuda.Event()
