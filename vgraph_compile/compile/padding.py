@@ -1,7 +1,8 @@
 """Padding rules: how a real input fills its bucket's persistent buffer, one rule per ``Role``.
 
 Invariant: after ``fill``, ``buffer[:n]`` (along the padded dim) equals the input, and the rest holds the role's
-padding, whatever the buffer held before. No rule reads device data on the host.
+padding, whatever the buffer held before. No rule reads device data on the host. Each rule is on the per-call
+path: a copy and at most one padding op, none when the input fills the buffer.
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ __all__ = ["fill", "fill_empty", "RULES"]
 
 
 def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    if buffer.shape == value.shape:
-        buffer.copy_(value)
+    rows = value.shape[0]
+    if buffer.shape[1:] == value.shape[1:]:  # padded along dim 0 (token rows) or not at all: one or two ops
+        buffer[:rows].copy_(value)
+        if rows < buffer.shape[0]:
+            buffer[rows:].zero_()
         return
     differing = [d for d in range(buffer.dim()) if buffer.shape[d] != value.shape[d]]
     if len(differing) == 1:
         (dim,) = differing
-        rows = value.shape[dim]
-        buffer.narrow(dim, 0, rows).copy_(value)
-        buffer.narrow(dim, rows, buffer.shape[dim] - rows).zero_()
+        size = value.shape[dim]
+        buffer.narrow(dim, 0, size).copy_(value)
+        buffer.narrow(dim, size, buffer.shape[dim] - size).zero_()
         return
     buffer.zero_()
     buffer[tuple(slice(0, size) for size in value.shape)].copy_(value)
@@ -33,7 +37,8 @@ def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
 def _repeat_last(buffer: torch.Tensor, value: torch.Tensor) -> None:
     rows = value.shape[0]
     buffer[:rows].copy_(value)
-    buffer[rows:].copy_(value[-1:].expand(buffer.shape[0] - rows))
+    if rows < buffer.shape[0]:
+        buffer[rows:].copy_(value[-1:].expand(buffer.shape[0] - rows))
 
 
 def _repeat_last_per_half(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -45,7 +50,8 @@ def _repeat_last_per_half(buffer: torch.Tensor, value: torch.Tensor) -> None:
 def _identity(buffer: torch.Tensor, value: torch.Tensor) -> None:
     rows = value.shape[0]
     buffer[:rows].copy_(value)
-    torch.arange(rows, buffer.shape[0], out=buffer[rows:])
+    if rows < buffer.shape[0]:
+        torch.arange(rows, buffer.shape[0], out=buffer[rows:])
 
 
 RULES: dict[Role, Callable[[torch.Tensor, torch.Tensor], None]] = {
