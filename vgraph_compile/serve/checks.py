@@ -163,10 +163,10 @@ class CallChecks:
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """The values of 1-D tensors as lists, in one device-to-host read when they are on an accelerator (each read
-    waits for the device: one wait per call, not one per tensor)."""
-    if len(tensors) == 1 or tensors[0].device.type == "cpu":
-        return [tensor.tolist() for tensor in tensors]
+    """The values of 1-D tensors as lists, in one device-to-host read (on an accelerator each read waits for the
+    device: one wait per call, not one per tensor)."""
+    if len(tensors) == 1:
+        return [tensors[0].tolist()]
     flat = torch.cat(tensors).tolist()
     lists, start = [], 0
     for tensor in tensors:
