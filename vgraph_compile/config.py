@@ -82,6 +82,10 @@ class VGraphConfig:
     """With a geometry: the encoder arguments holding window-attention cu_seqlens (Qwen2.5-VL's name by default).
     Their group gets the window bound, every other group the frame bound; when the encoder has several groups
     and names none of them here, every group is sized for both (safe, looser)."""
+    artifact_dir: str | None = None
+    """Directory of saved compiled encoders (``compile/artifacts``): the first process saves the inductor compile,
+    later ones load it instead of compiling. None: the ``VGRAPH_ARTIFACT_DIR`` environment variable, else
+    ``vgraph_artifacts`` under inductor's cache directory; an empty string turns saving and loading off."""
     budgets: tuple[int, ...] = field(init=False)
     """The resolved, sorted token budgets."""
     segments: int = field(init=False)

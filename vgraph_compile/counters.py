@@ -26,6 +26,10 @@ class Counters:
     """Graph nodes changed by rewrite passes (all buckets)."""
     compiles: int = 0
     """Inductor compiles: one per trace, whatever the number of buckets."""
+    artifacts_saved: int = 0
+    """Compiled encoders saved for later processes (``compile/artifacts``)."""
+    artifacts_loaded: int = 0
+    """Compiled encoders loaded from a saved artifact instead of compiled (no inductor compile)."""
     buckets_built: int = 0
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0

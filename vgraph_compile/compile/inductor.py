@@ -7,6 +7,8 @@ sizes here, and a bucket where one fails is dropped with a warning rather than s
 otherwise. ``shape_padding`` is off: its guards split the budget range, and ``rewrite/align_matmuls`` pads the
 widths that need it instead.
 
+The compiled code is saved as an artifact a second process loads instead of compiling (``compile/artifacts``).
+
 The example inputs inductor sees are the trace's fake values: token-sized tensors contiguous (the runtime's
 buffers are), parameters at their aligned shapes (``align_matmuls``), sizes as the trace's symbols.
 """
@@ -21,6 +23,7 @@ import sympy
 import torch
 import torch.fx
 
+from vgraph_compile.compile import artifacts
 from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import substitute
@@ -45,12 +48,21 @@ def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
     return fakes
 
 
-def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledFn:
+_INDUCTOR_OPTIONS = {"shape_padding": False, "triton.cudagraphs": False}
+
+
+def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, Any]:
+    """The compiled graph, and its saveable ``CompiledArtifact`` (None where this torch has none)."""
     from torch._inductor.compile_fx import compile_fx
 
-    with torch._inductor.config.patch(shape_padding=False, **{"triton.cudagraphs": False}), torch.no_grad():
+    with torch._inductor.config.patch(_INDUCTOR_OPTIONS), torch.no_grad():
+        if artifacts.available():
+            compiled = torch._inductor.standalone_compile(
+                gm, _fake_inputs(gm, ctx), dynamic_shapes="from_tracing_context", options={}
+            )
+            return (lambda inputs: compiled(*inputs)), compiled
         compiled = compile_fx(gm, _fake_inputs(gm, ctx))
-    return lambda inputs: compiled(*inputs)
+    return (lambda inputs: compiled(*inputs)), None
 
 
 def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
@@ -62,12 +74,21 @@ def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
 
 
 def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, list[BucketShape]]:
-    """The compiled graph, and the buckets it may serve (every guard inductor added holds at their sizes)."""
+    """The compiled graph, and the buckets it may serve (every guard inductor added holds at their sizes). Loaded
+    from a saved artifact when one matches (``compile/artifacts``), else compiled and saved."""
     if ctx.config.compiler == "eager":
         return (lambda inputs: gm(*inputs)), list(ctx.buckets)
+    directory = artifacts.artifact_dir(ctx) if artifacts.available() else None
+    key = artifacts.artifact_key(gm, ctx) if directory is not None else None
+    if directory is not None:
+        loaded = artifacts.load(directory, key)
+        if loaded is not None:
+            counters.artifacts_loaded += 1
+            compiled = loaded.compiled
+            return (lambda inputs: compiled(*inputs)), [b for b in ctx.buckets if b.budget in loaded.served]
     guards_before = len(ctx.shape_env.guards)
     start = time.perf_counter()
-    compiled = _inductor(gm, ctx)
+    compiled, artifact = _inductor(gm, ctx)
     counters.compiles += 1
     added = [ctx.shape_env.replace(guard.expr) for guard in ctx.shape_env.guards[guards_before:]]
     log.info("inductor compiled the encoder once in %.1f s (%d size guards added)", time.perf_counter() - start,
@@ -83,4 +104,7 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn
             )
             continue
         served.append(bucket)
+    if directory is not None and artifact is not None:
+        if artifacts.save(directory, key, artifact, tuple(bucket.budget for bucket in served)):
+            counters.artifacts_saved += 1
     return compiled, served

@@ -2,7 +2,8 @@
 
 Invariant: after ``fill``, ``buffer[:n]`` (along the padded dim) equals the input, and the rest holds the role's
 padding, whatever the buffer held before. No rule reads device data on the host: the one size a rule needs
-beyond the value's own (the real size of the dim a PLACEMENT_INDEX writes) comes from the call's plan.
+beyond the value's own (the real size of the dim a PLACEMENT_INDEX writes) comes from the call's plan. Each rule
+is on the per-call path: a copy and at most one padding op, none when the input fills the buffer.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ __all__ = ["fill", "fill_empty", "RULES", "WRITTEN_SIZE_ROLES"]
 
 
 def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    if buffer.shape == value.shape:
-        buffer.copy_(value)
+    rows = value.shape[0]
+    if buffer.shape[1:] == value.shape[1:]:  # padded along dim 0 (token rows) or not at all: one or two ops
+        buffer[:rows].copy_(value)
+        if rows < buffer.shape[0]:
+            buffer[rows:].zero_()
         return
     differing = [d for d in range(buffer.dim()) if buffer.shape[d] != value.shape[d]]
     if len(differing) == 1:
         (dim,) = differing
-        rows = value.shape[dim]
-        buffer.narrow(dim, 0, rows).copy_(value)
-        buffer.narrow(dim, rows, buffer.shape[dim] - rows).zero_()
+        size = value.shape[dim]
+        buffer.narrow(dim, 0, size).copy_(value)
+        buffer.narrow(dim, size, buffer.shape[dim] - size).zero_()
         return
     buffer.zero_()
     buffer[tuple(slice(0, size) for size in value.shape)].copy_(value)
@@ -34,7 +38,8 @@ def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
 def _repeat_last(buffer: torch.Tensor, value: torch.Tensor) -> None:
     rows = value.shape[0]
     buffer[:rows].copy_(value)
-    buffer[rows:].copy_(value[-1:].expand(buffer.shape[0] - rows))
+    if rows < buffer.shape[0]:
+        buffer[rows:].copy_(value[-1:].expand(buffer.shape[0] - rows))
 
 
 def _repeat_last_per_half(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -48,7 +53,8 @@ def _from_written(buffer: torch.Tensor, value: torch.Tensor, written: int) -> No
     the index writes, so none is a real row and no two are equal."""
     rows = value.shape[0]
     buffer[:rows].copy_(value)
-    torch.arange(written, written + buffer.shape[0] - rows, out=buffer[rows:])
+    if rows < buffer.shape[0]:
+        torch.arange(written, written + buffer.shape[0] - rows, out=buffer[rows:])
 
 
 def _identity(buffer: torch.Tensor, value: torch.Tensor) -> None:

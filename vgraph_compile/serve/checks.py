@@ -49,6 +49,11 @@ class _TensorContract:
     static: tuple[int | None, ...]
     """Per dim: its fixed size, or None where it varies with the call."""
 
+    @property
+    def fixed(self) -> tuple[tuple[int, int], ...]:
+        """(dim, size) of each fixed dim."""
+        return tuple((dim, size) for dim, size in enumerate(self.static) if size is not None)
+
 
 class CallChecks:
     """The checks and plans of one trace's calls; plans are cached per distinct sizes."""
@@ -62,7 +67,7 @@ class CallChecks:
         self._max_seqlen = {
             group.offsets_input: group.max_seqlen_inputs for group in self.spec.groups if group.max_seqlen_inputs
         }
-        self._contracts = [
+        contracts = [
             _TensorContract(
                 role.index,
                 self.spec.describe_input(role.index),
@@ -73,6 +78,8 @@ class CallChecks:
             for role, value, shape in zip(self.spec.inputs, ctx.example_inputs, self.spec.input_shapes)
             if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER
         ]
+        self._contracts = [(contract, contract.fixed) for contract in contracts]
+        """Each contract with its fixed dims, read once here rather than per call."""
 
     def check(self, args: Sequence[Any]) -> CallPlan:
         """The call's plan, after its inputs passed every check (a ValueError saying what to fix otherwise)."""
@@ -118,7 +125,7 @@ class CallChecks:
         return plan
 
     def _check_contract(self, args: Sequence[Any]) -> None:
-        for contract in self._contracts:
+        for contract, fixed in self._contracts:
             value = args[contract.index]
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{contract.name} must be a tensor, got {type(value).__name__}")
@@ -128,9 +135,8 @@ class CallChecks:
                     f"{contract.dtype} on {contract.device}: convert it with "
                     f"{contract.name}.to(device='{contract.device}', dtype={contract.dtype})"
                 )
-            if value.dim() != len(contract.static) or any(
-                fixed is not None and size != fixed for size, fixed in zip(value.shape, contract.static)
-            ):
+            shape = value.shape
+            if len(shape) != len(contract.static) or any(shape[dim] != size for dim, size in fixed):
                 expected = ", ".join("any" if fixed is None else str(fixed) for fixed in contract.static)
                 raise ValueError(
                     f"{contract.name} has shape {tuple(value.shape)}, but the encoder takes [{expected}] "
@@ -145,9 +151,9 @@ class CallChecks:
                     f"{self.spec.describe_input(role.index)}: cu_seqlens must be 1-D with at least 2 entries [0, ..., tokens], "
                     f"got shape {tuple(offsets.shape)}"
                 )
-            if not self.config.check_values:
-                continue
-            values = offsets.tolist()
+        if not self.config.check_values or not self._offsets:
+            return
+        for role, values in zip(self._offsets, _to_host([args[role.index] for role in self._offsets])):
             end = plan.ends.get(role.index, values[-1])
             if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != end:
                 raise ValueError(
@@ -162,3 +168,16 @@ class CallChecks:
                         f"{self.spec.describe_input(index)}={args[index]} is smaller than the longest "
                         f"segment of {self.spec.describe_input(role.index)} ({longest} rows): pass the longest segment length"
                     )
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The values of 1-D tensors as lists, in one device-to-host read (on an accelerator each read waits for the
+    device: one wait per call, not one per tensor)."""
+    if len(tensors) == 1:
+        return [tensors[0].tolist()]
+    flat = torch.cat(tensors).tolist()
+    lists, start = [], 0
+    for tensor in tensors:
+        lists.append(flat[start : start + tensor.shape[0]])
+        start += tensor.shape[0]
+    return lists
