@@ -40,7 +40,7 @@ from torch._dynamo import source as dynamo_source
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from vgraph_compile.counters import counters
-from vgraph_compile.fx_utils import ancestors, example_value
+from vgraph_compile.fx_utils import ancestors, callable_name, example_value
 from vgraph_compile.symbolic import substitute, traced_values
 from vgraph_compile.analyze.sites import Site, known_ops, varlen_sites
 from vgraph_compile.spec import (
@@ -122,15 +122,6 @@ def _module_state(source) -> bool:
     return False
 
 
-def _callable_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.__name__.split(".")[0]
-    return getattr(target, "__name__", str(target))
-
-
 def _check_no_host_sync(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         value = example_value(node)
@@ -163,7 +154,7 @@ def _source_inputs(start: torch.fx.Node, inputs: Inputs) -> tuple[list[int], boo
             if index not in inputs.parameters and isinstance(example_value(node), torch.Tensor):
                 sources.append(index)
         elif node.op in ("call_function", "call_method"):
-            has_cumsum |= _callable_name(node) == "cumsum"
+            has_cumsum |= callable_name(node) == "cumsum"
     return sorted(sources), has_cumsum
 
 
@@ -273,7 +264,7 @@ def _index_uses(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, objec
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        name = _callable_name(node)
+        name = callable_name(node)
         if node.target is operator.getitem and isinstance(example_value(node.args[0]), torch.Tensor):
             indices = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             table = example_value(node.args[0])
@@ -293,9 +284,9 @@ _WRITERS = {"index_copy", "index_copy_", "index_put", "index_put_", "scatter", "
 def _write_uses(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, object]]:
     """(index node, size of the written dim) for every tensor used as an index that writes rows."""
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or _callable_name(node) not in _WRITERS:
+        if node.op not in ("call_function", "call_method") or callable_name(node) not in _WRITERS:
             continue
-        name, args = _callable_name(node), node.args
+        name, args = callable_name(node), node.args
         target = example_value(args[0])
         if not isinstance(target, torch.Tensor):
             continue
@@ -393,7 +384,7 @@ def bindings(inputs: Inputs, taken: dict[int, InputRole], simplify: Simplify) ->
 def _view_equalities(gm: torch.fx.GraphModule, simplify: Simplify) -> Iterator[tuple[sympy.Expr, sympy.Expr]]:
     """(produced size, requested size) of every reshape/view dim the caller gave explicitly."""
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or _callable_name(node) not in ("view", "reshape"):
+        if node.op not in ("call_function", "call_method") or callable_name(node) not in ("view", "reshape"):
             continue
         requested = node.args[1:]
         if len(requested) == 1 and isinstance(requested[0], (tuple, list)):

@@ -1,0 +1,514 @@
+"""Analysis: prove that a traced tower keeps the rows of its batch apart, and describe it for buckets over N.
+
+A fixed-tile tower takes ``pixel_values[N, C, H, W]`` (and maybe per-tile inputs such as Idefics3's
+``patch_attention_mask[N, h, w]``); only N varies. Buckets pad N with zero rows and drop them after the call, which
+is exact only if no op lets one row reach another. This pass proves it.
+
+Invariant: never mutates the graph. Every tensor node gets a *row dim*: the dim that indexes the tiles, or None
+when its values depend on no tile (parameters, constants, sizes). A node's row dim follows from its inputs' by the
+op's rule (``_RULES``); a rule accepts only uses where output row i is a function of row i of each input:
+- elementwise ops and casts: every tiled input's row dim lands on the same broadcast output dim;
+- reductions, softmax, cumsum and norms: over dims other than the row dim (never over every dim);
+- linear / matmul / einsum / attention: the row dim is a batch dim, never a contracted or sequence dim;
+- convolutions, group/instance norm, interpolate: the row dim is dim 0; batch norm only with running stats;
+- views and reshapes: the row dim survives as one dim with the same elements before it (``[N, L, D] -> [N, L*D]``);
+  transposes, permutes, squeezes, slices, cat/stack/split: the row dim moves, and is never sliced, split or joined;
+- creation ops (``arange``, ``ones``, ``new_zeros``, ``*_like``): no row dim, whatever their size.
+A tiled input reaching an op with no rule, or a rule's use that mixes rows (batch statistics, attention across
+tiles, a sum over dim 0, an index into the tile dim), is refused with a ValueError naming the node. Every output
+must have its rows in dim 0. The spec (``ctx.spec``) has no varlen sites: its token rows are N, so
+``bounds`` makes one bucket per budget of tiles, and the inputs with N in dim 0 are TOKENS (padded with zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx
+
+from vgraph_compile.analyze.discover import _check_no_host_sync, _feature_sizes, _outputs, bindings, graph_inputs
+from vgraph_compile.fx_utils import callable_name, example_value
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.spec import PassContext, VarlenSpec
+
+__all__ = ["run", "row_dims", "TileMixingError"]
+
+log = logging.getLogger(__name__)
+
+RowDim = Any
+"""None (no tile dependence), an int (the tile dim of a tensor), or a tuple of these (a tuple/list value)."""
+
+
+class TileMixingError(ValueError):
+    """An op lets one tile's values reach another tile's rows (or no rule proves it does not)."""
+
+
+def _value(arg: Any) -> Any:
+    return example_value(arg) if isinstance(arg, torch.fx.Node) else arg
+
+
+def _ndim(arg: Any) -> int:
+    return _value(arg).dim()
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+class _Rules:
+    """The row-dim rules, each ``rule(node, rows) -> RowDim``; ``rows(arg)`` is an argument's row dim."""
+
+    def __init__(self, same_size: Callable[[Any, Any], bool]) -> None:
+        self.same_size = same_size
+
+    @staticmethod
+    def refuse(node: torch.fx.Node, why: str) -> TileMixingError:
+        stack = node.meta.get("stack_trace", "") or ""
+        where = stack.strip().splitlines()[-2:] if stack else []
+        return TileMixingError(
+            f"{node.format_node()} ({callable_name(node)}) {why}: it would mix tiles, so the rows of the batch "
+            f"cannot be served by padded buckets. {' '.join(line.strip() for line in where)}".strip()
+        )
+
+    # -- rules ----------------------------------------------------------------------------------------------
+    def elementwise(self, node, rows):
+        out = _value(node)
+        ndim = out.dim() if isinstance(out, torch.Tensor) else 0
+        placed = set()
+        for arg in node.all_input_nodes:
+            dim = rows(arg)
+            if dim is None:
+                continue
+            if not isinstance(dim, int):
+                raise self.refuse(node, "takes a tiled sequence where elementwise tensors are expected")
+            placed.add(ndim - (_ndim(arg) - dim))
+        if len(placed) > 1:
+            raise self.refuse(node, f"broadcasts tiled inputs against each other along dims {sorted(placed)}")
+        return placed.pop() if placed else None
+
+    def reduction(self, node, rows):
+        dim = rows(node.args[0])
+        if dim is None:
+            return None
+        ndim = _ndim(node.args[0])
+        reduced = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if reduced is None or (isinstance(reduced, (tuple, list)) and len(reduced) == 0):
+            raise self.refuse(node, "reduces over every dim, the tile dim included")
+        reduced = {_norm(d, ndim) for d in (reduced if isinstance(reduced, (tuple, list)) else (reduced,))}
+        if dim in reduced:
+            raise self.refuse(node, f"reduces over the tile dim {dim}")
+        out = _value(node)
+        if isinstance(out, tuple):  # max/min with a dim: (values, indices)
+            out = out[0]
+        if out.dim() == ndim:  # keepdim, or an op keeping the shape (softmax, cumsum)
+            result = dim
+        else:
+            result = dim - sum(1 for d in reduced if d < dim)
+        return (result, result) if isinstance(_value(node), tuple) else result
+
+    def linear(self, node, rows):
+        weights = [arg for arg in node.all_input_nodes[1:] if rows(arg) is not None]
+        if weights:
+            raise self.refuse(node, "computes its weights from the tiles")
+        dim = rows(node.args[0])
+        if dim is not None and dim == _ndim(node.args[0]) - 1:
+            raise self.refuse(node, "contracts over the tile dim")
+        return dim
+
+    def matmul(self, node, rows):
+        left, right = node.args[0], node.args[1]
+        out_ndim = _value(node).dim()
+        placed = set()
+        for arg, contracted in ((left, -1), (right, -2)):
+            dim = rows(arg)
+            if dim is None:
+                continue
+            ndim = _ndim(arg)
+            if ndim == 1 or dim == ndim + contracted:
+                raise self.refuse(node, "contracts over the tile dim")
+            placed.add(out_ndim - (ndim - dim))
+        if len(placed) > 1:
+            raise self.refuse(node, "multiplies one tile's rows with another tile's columns")
+        return placed.pop() if placed else None
+
+    def einsum(self, node, rows):
+        equation = node.args[0].replace(" ", "")
+        operands = node.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
+            operands = operands[0]
+        if "..." in equation or "->" not in equation:
+            if any(rows(arg) is not None for arg in operands):
+                raise self.refuse(node, "has an implicit or ellipsis equation vgraph does not analyze")
+            return None
+        inputs, output = equation.split("->")
+        letters = {inputs.split(",")[i][rows(arg)] for i, arg in enumerate(operands) if rows(arg) is not None}
+        if not letters:
+            return None
+        if len(letters) > 1 or next(iter(letters)) not in output:
+            raise self.refuse(node, f"sums over or pairs up tile dims {sorted(letters)}")
+        return output.index(next(iter(letters)))
+
+    def attention(self, node, rows):
+        query = node.args[0]
+        ndim = _ndim(query)
+        placed = set()
+        arguments = list(node.args[:4]) + [node.kwargs.get("attn_mask")]
+        for arg in arguments:
+            if not isinstance(arg, torch.fx.Node) or rows(arg) is None:
+                continue
+            dim, arg_ndim = rows(arg), _ndim(arg)
+            if dim >= arg_ndim - 2:
+                raise self.refuse(node, "attends across the tile dim")
+            placed.add(ndim - (arg_ndim - dim))
+        if len(placed) > 1:
+            raise self.refuse(node, "pairs queries of one tile with keys of another")
+        return placed.pop() if placed else None
+
+    def multi_head_attention(self, node, rows):
+        """``F.multi_head_attention_forward``: query/key/value ``[L, N, E]`` (batch dim 1), masks per batch row."""
+        for arg in node.args[:3]:
+            if rows(arg) not in (None, 1):
+                raise self.refuse(node, "attends across the tile dim")
+        for name in ("attn_mask",):
+            if isinstance(node.kwargs.get(name), torch.fx.Node) and rows(node.kwargs[name]) is not None:
+                raise self.refuse(node, "takes a tiled attention mask vgraph does not analyze")
+        mask = node.kwargs.get("key_padding_mask")
+        if isinstance(mask, torch.fx.Node) and rows(mask) not in (None, 0):
+            raise self.refuse(node, "takes a key padding mask whose tile dim is not 0")
+        tiled = any(rows(arg) is not None for arg in node.args[:3]) or (
+            isinstance(mask, torch.fx.Node) and rows(mask) is not None
+        )
+        return (1, 0) if tiled else (None, None)
+
+    def layer_norm(self, node, rows):
+        dim = rows(node.args[0])
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        normalized = len(shape) if isinstance(shape, (tuple, list)) else 1
+        if dim is not None and dim >= _ndim(node.args[0]) - normalized:
+            raise self.refuse(node, "normalizes over the tile dim")
+        return self.linear(node, rows)
+
+    def per_sample(self, node, rows):
+        """Ops over ``[N, C, ...]`` that treat each sample alone (convolution, group norm, interpolate, pad)."""
+        if any(rows(arg) is not None for arg in node.all_input_nodes[1:]):
+            raise self.refuse(node, "computes its weights from the tiles")
+        dim = rows(node.args[0])
+        if dim not in (None, 0):
+            raise self.refuse(node, f"treats dim 0 as the samples, but the tiles are in dim {dim}")
+        return dim
+
+    def batch_norm(self, node, rows):
+        training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+        if rows(node.args[0]) is not None and training:
+            raise self.refuse(node, "normalizes with batch statistics (training mode)")
+        return self.per_sample(node, rows)
+
+    def pad(self, node, rows):
+        dim = rows(node.args[0])
+        padding = node.args[1] if len(node.args) > 1 else node.kwargs["pad"]
+        ndim = _ndim(node.args[0])
+        if dim is not None and len(padding) > 2 * (ndim - 1 - dim) and any(padding[2 * (ndim - 1 - dim) :][:2]):
+            raise self.refuse(node, "pads the tile dim")
+        return dim
+
+    def creation(self, node, rows):
+        return None
+
+    def reshape(self, node, rows):
+        source = node.args[0]
+        dim = rows(source)
+        if dim is None:
+            return None
+        before, after = _value(source).shape, _value(node).shape
+        prefix = math.prod(before[:dim]) if dim else 1
+        for out_dim in range(len(after)):
+            out_prefix = math.prod(after[:out_dim]) if out_dim else 1
+            if self.same_size(after[out_dim], before[dim]) and self.same_size(out_prefix, prefix):
+                return out_dim
+        raise self.refuse(node, f"merges or splits the tile dim ({tuple(before)} -> {tuple(after)})")
+
+    def permute(self, node, rows):
+        dim = rows(node.args[0])
+        if dim is None:
+            return None
+        ndim = _ndim(node.args[0])
+        name = callable_name(node)
+        if name in ("transpose", "swapaxes", "swapdims"):
+            a, b = (_norm(d, ndim) for d in node.args[1:3])
+            return b if dim == a else a if dim == b else dim
+        if name in ("movedim", "moveaxis"):
+            order = list(range(ndim))
+            source, destination = _norm(node.args[1], ndim), _norm(node.args[2], ndim)
+            order.insert(destination, order.pop(source))
+            return order.index(dim)
+        order = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        if name == "t":
+            order = (1, 0) if ndim == 2 else (0,)
+        return [_norm(d, ndim) for d in order].index(dim)
+
+    def unsqueeze(self, node, rows):
+        dim = rows(node.args[0])
+        if dim is None:
+            return None
+        inserted = _norm(node.args[1], _ndim(node.args[0]) + 1)
+        return dim + 1 if inserted <= dim else dim
+
+    def squeeze(self, node, rows):
+        dim = rows(node.args[0])
+        if dim is None:
+            return None
+        ndim = _ndim(node.args[0])
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if dims is None:
+            raise self.refuse(node, "squeezes every size-1 dim (the tile dim too, for one tile)")
+        dims = {_norm(d, ndim) for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}
+        if dim in dims:
+            raise self.refuse(node, "squeezes the tile dim")
+        return dim - sum(1 for d in dims if d < dim)
+
+    def expand(self, node, rows):
+        dim = rows(node.args[0])
+        if dim is None:
+            return None
+        ndim, out = _ndim(node.args[0]), _value(node)
+        placed = out.dim() - (ndim - dim)
+        if callable_name(node) == "repeat":
+            counts = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+            if _value(counts[placed]) != 1:
+                raise self.refuse(node, "repeats the tile dim")
+        return placed
+
+    def getitem(self, node, rows):
+        source, index = node.args
+        dim = rows(source)
+        if isinstance(dim, tuple):
+            return dim[index]
+        if dim is None or not isinstance(_value(source), torch.Tensor):
+            return None
+        ndim = _ndim(source)
+        index = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(item, torch.fx.Node) and isinstance(_value(item), torch.Tensor) for item in index):
+            raise self.refuse(node, "indexes with a tensor (gathers rows)")
+        specified = sum(1 for item in index if item is not None and item is not Ellipsis)
+        position, out_dim = 0, 0
+        for item in index:
+            if item is Ellipsis:
+                skipped = ndim - specified
+                if position <= dim < position + skipped:
+                    return out_dim + dim - position
+                position, out_dim = position + skipped, out_dim + skipped
+            elif item is None:
+                out_dim += 1
+            elif isinstance(item, slice):
+                if position == dim:
+                    if item != slice(None, None, None):
+                        raise self.refuse(node, "slices the tile dim")
+                    return out_dim
+                position, out_dim = position + 1, out_dim + 1
+            else:
+                if position == dim:
+                    raise self.refuse(node, "picks one tile")
+                position += 1
+        return out_dim + dim - position
+
+    def join(self, node, rows):
+        """cat / stack: tensors joined along a dim other than the tile dim."""
+        tensors = node.args[0]
+        ndim = _ndim(tensors[0])
+        joined = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        joined = _norm(joined, ndim + (callable_name(node) == "stack"))
+        dims = {rows(arg) for arg in tensors if isinstance(arg, torch.fx.Node)} - {None}
+        if len(dims) > 1:
+            raise self.refuse(node, f"joins tensors whose tiles are in different dims {sorted(dims)}")
+        if not dims:
+            return None
+        dim = dims.pop()
+        if callable_name(node) == "stack":
+            return dim + 1 if joined <= dim else dim
+        if joined == dim:
+            raise self.refuse(node, "concatenates along the tile dim")
+        return dim
+
+    def split(self, node, rows):
+        dim = rows(node.args[0])
+        pieces = _value(node)
+        if dim is None:
+            return tuple(None for _ in pieces)
+        name = callable_name(node)
+        along = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+        if name == "unbind":
+            along = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        along = _norm(along, _ndim(node.args[0]))
+        if along == dim:
+            raise self.refuse(node, "splits the tile dim")
+        return tuple(dim - (name == "unbind" and along < dim) for _ in pieces)
+
+    def narrow(self, node, rows):
+        dim = rows(node.args[0])
+        if dim is not None and _norm(node.args[1], _ndim(node.args[0])) == dim:
+            raise self.refuse(node, "narrows the tile dim")
+        return dim
+
+    def setitem(self, node, rows):
+        target, index, value = node.args
+        if rows(target) is None and isinstance(value, torch.fx.Node) and rows(value) is not None:
+            raise self.refuse(node, "writes tiled values into an untiled tensor")
+        if rows(target) is not None:
+            self.getitem(node, lambda arg: rows(arg) if arg is not node else None)
+        return None
+
+
+_ELEMENTWISE = (
+    "add sub mul truediv floordiv div mod pow neg abs exp log log1p sqrt rsqrt reciprocal square tanh sigmoid "
+    "gelu silu relu relu6 leaky_relu elu selu celu hardswish hardsigmoid mish softplus erf sin cos clamp clip "
+    "where masked_fill dropout to type float half bfloat16 double long int bool contiguous clone detach type_as "
+    "eq ne lt le gt ge and_ or_ xor invert logical_not logical_and logical_or maximum minimum sign floor ceil round "
+    "bucketize nan_to_num lerp addcmul addcdiv sub_ add_ mul_ div_ clamp_ masked_fill_ iadd imul isub itruediv "
+    "quick_gelu fast_gelu"
+).split()
+_REDUCTIONS = "sum mean amax amin max min var std norm prod logsumexp all any argmax argmin softmax log_softmax cumsum cumprod".split()
+_CREATION = (
+    "arange ones zeros full empty tensor new_ones new_zeros new_full new_empty new_tensor ones_like zeros_like "
+    "full_like empty_like rand randn linspace eye size dim numel _assert _check"
+).split()
+_TABLE: dict[str, str] = {
+    **{name: "elementwise" for name in _ELEMENTWISE},
+    **{name: "reduction" for name in _REDUCTIONS},
+    **{name: "creation" for name in _CREATION},
+    **dict(linear="linear", embedding="linear_embedding", matmul="matmul", bmm="matmul", mm="matmul"),
+    **dict(einsum="einsum", scaled_dot_product_attention="attention"),
+    **dict(multi_head_attention_forward="multi_head_attention", layer_norm="layer_norm", rms_norm="layer_norm"),
+    **{name: "per_sample" for name in "conv1d conv2d conv3d group_norm instance_norm interpolate".split()},
+    **dict(batch_norm="batch_norm", pad="pad"),
+    **{name: "reshape" for name in "view reshape reshape_as view_as flatten unflatten".split()},
+    **{name: "permute" for name in "transpose swapaxes swapdims permute movedim moveaxis t".split()},
+    **dict(unsqueeze="unsqueeze", squeeze="squeeze", expand="expand", expand_as="expand", repeat="expand"),
+    **dict(getitem="getitem", setitem="setitem", cat="join", concat="join", concatenate="join", stack="join"),
+    **{name: "split" for name in "split chunk unbind tensor_split".split()},
+    **dict(narrow="narrow"),
+}
+"""Op name (``callable_name``) -> the rule that gives its output's row dim."""
+
+
+def _embedding(rules: _Rules, node, rows):
+    """``F.embedding(ids, table)``: the ids' tile dim, the table untiled."""
+    if rows(node.args[1]) is not None:
+        raise rules.refuse(node, "looks up a table computed from the tiles")
+    return rows(node.args[0])
+
+
+def row_dims(gm: torch.fx.GraphModule, tiled: dict[torch.fx.Node, int], same_size) -> dict[torch.fx.Node, RowDim]:
+    """The row dim of every node, from the tiled inputs' (``tiled``); raises ``TileMixingError`` on a mix."""
+    rules = _Rules(same_size)
+    found: dict[torch.fx.Node, RowDim] = {}
+
+    def rows(arg: Any) -> RowDim:
+        return found.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            found[node] = tiled.get(node)
+        elif node.op in ("get_attr", "output"):
+            found[node] = None
+        elif node.op in ("call_function", "call_method", "call_module"):
+            name = callable_name(node) if node.op != "call_module" else str(node.target)
+            if not any(rows(arg) is not None for arg in node.all_input_nodes):
+                found[node] = _untiled(node)
+                continue
+            if node.target is operator.getitem:
+                name = "getitem"
+            rule = _TABLE.get(name)
+            if rule is None:
+                raise rules.refuse(node, "is an op vgraph cannot prove keeps tiles apart (no rule for it)")
+            if rule == "linear_embedding":
+                found[node] = _embedding(rules, node, rows)
+            else:
+                found[node] = getattr(rules, rule)(node, rows)
+    return found
+
+
+def _untiled(node: torch.fx.Node) -> RowDim:
+    value = example_value(node)
+    return tuple(None for _ in value) if isinstance(value, (tuple, list)) else None
+
+
+def _reachable_budgets(ctx: PassContext, tiles: sympy.Expr, simplify) -> "VGraphConfig":
+    """The config without the tile counts the trace's guards on N alone exclude (``F.multi_head_attention_forward``
+    guards ``N != 1``, for one): a call of such a count pads to the next bucket."""
+    guards = [simplify(guard.expr) for guard in ctx.shape_env.guards]
+    guards = [guard for guard in guards if guard.free_symbols == tiles.free_symbols]
+    kept = tuple(b for b in ctx.config.budgets if all(guard.xreplace({tiles: b}) != sympy.false for guard in guards))
+    if not kept:
+        raise ValueError(f"the trace's guards {guards} exclude every tile budget {list(ctx.config.budgets)}")
+    if kept != ctx.config.budgets:
+        log.info("tile counts %s excluded by the trace's guards; they pad to the next bucket",
+                 sorted(set(ctx.config.budgets) - set(kept)))
+    return dataclasses.replace(ctx.config, token_budgets=kept)
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    _check_no_host_sync(gm)
+    shape_env = ctx.shape_env
+
+    def simplify(value) -> sympy.Expr:
+        expr = value.node.expr if isinstance(value, torch.SymInt) else value
+        return sympy.sympify(shape_env.replace(sympy.sympify(expr)))
+
+    def same_size(a, b) -> bool:
+        return sympy.simplify(simplify(a) - simplify(b)) == 0
+
+    inputs = graph_inputs(gm, ctx)
+    tiles, tiled = None, {}
+    for index, node in enumerate(inputs.nodes):
+        value = example_value(node)
+        if index in inputs.parameters or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        rows = simplify(value.shape[0])
+        if not rows.free_symbols:
+            continue
+        if tiles is None:
+            tiles = rows
+        elif sympy.simplify(rows - tiles) != 0:
+            raise ValueError(
+                f"input {inputs.name(index)!r} has {rows} rows in dim 0 but the first tiled input has {tiles}: "
+                "every per-tile input of a fixed-tile tower has one row per tile"
+            )
+        tiled[node] = 0
+    if tiles is None:
+        raise ValueError(
+            "the traced tower has no input whose dim 0 varies: trace it with dynamic=True (vgraph_compile.encoder "
+            "does) so the tile count N is symbolic"
+        )
+    found = row_dims(gm, tiled, same_size)
+    (output,) = gm.graph.find_nodes(op="output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for position, arg in enumerate(values):
+        if isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
+            if found.get(arg) not in (0, None) or not same_size(example_value(arg).shape[0], tiles):
+                raise TileMixingError(
+                    f"output {position} ({arg.format_node()}) does not have the tiles in dim 0 (they are in dim "
+                    f"{found.get(arg)}): vgraph narrows outputs to the real tiles along dim 0"
+                )
+    ctx.config = _reachable_budgets(ctx, tiles, simplify)
+    features = _feature_sizes(inputs, simplify, shape_env)
+    sizes = bindings(inputs, {}, simplify)
+    ctx.spec = VarlenSpec(
+        inputs=tuple(sizes.roles[index] for index in range(len(inputs.nodes))),
+        sites=(),
+        groups=(),
+        token_rows=tiles,
+        bindings=sizes.bindings,
+        input_shapes=sizes.shapes,
+        outputs=_outputs(gm, simplify),
+        features=features,
+        relations={},
+    )
+    log.info("proved the rows of %s tiled inputs independent", len(tiled))
+    log.debug("tile spec:\n%s", ctx.spec.format())
+    return gm
