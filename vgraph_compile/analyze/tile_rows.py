@@ -64,8 +64,24 @@ def _norm(dim: int, ndim: int) -> int:
 class _Rules:
     """The row-dim rules, each ``rule(node, rows) -> RowDim``; ``rows(arg)`` is an argument's row dim."""
 
-    def __init__(self, same_size: Callable[[Any, Any], bool]) -> None:
+    def __init__(self, same_size: Callable[[Any, Any], bool], tiles: Any) -> None:
         self.same_size = same_size
+        self.tiles = tiles
+        self.iota: dict[torch.fx.Node, int] = {}
+        """Nodes holding ``arange(N)`` along one dim (the dim), constant along the others: tile indices."""
+
+    def track_iota(self, node: torch.fx.Node) -> None:
+        """Record ``node`` in ``self.iota`` when it is ``arange(N)`` or a view/unsqueeze/expand/slice of one."""
+        name = callable_name(node)
+        if name == "arange" and len(node.args) == 1 and not node.kwargs.get("step"):
+            if self.same_size(_value(node.args[0]), self.tiles):
+                self.iota[node] = 0
+            return
+        if name in _IOTA_VIEWS and node.args and node.args[0] in self.iota:
+            try:
+                self.iota[node] = getattr(self, _TABLE[name])(node, lambda arg: self.iota.get(arg))
+            except TileMixingError:
+                pass
 
     @staticmethod
     def refuse(node: torch.fx.Node, why: str) -> TileMixingError:
@@ -294,7 +310,7 @@ class _Rules:
         ndim = _ndim(source)
         index = index if isinstance(index, tuple) else (index,)
         if any(isinstance(item, torch.fx.Node) and isinstance(_value(item), torch.Tensor) for item in index):
-            raise self.refuse(node, "indexes with a tensor (gathers rows)")
+            return self.gather(node, index, dim, rows)
         specified = sum(1 for item in index if item is not None and item is not Ellipsis)
         position, out_dim = 0, 0
         for item in index:
@@ -316,6 +332,21 @@ class _Rules:
                     raise self.refuse(node, "picks one tile")
                 position += 1
         return out_dim + dim - position
+
+    def gather(self, node, index, dim, rows):
+        """``x[..., i, ...]`` with tensor indices: the tile dim's index must be ``arange(N)`` (possibly viewed,
+        unsqueezed or expanded: ``self.iota``) and no other index tiled, so output row i reads tile i only."""
+        if any(item is Ellipsis or item is None for item in index):
+            raise self.refuse(node, "indexes with a tensor and None/Ellipsis, which vgraph does not analyze")
+        tensors = [p for p, item in enumerate(index) if isinstance(item, torch.fx.Node) and _is_tensor(item)]
+        if dim >= len(index) or dim not in tensors or self.iota.get(index[dim]) is None:
+            raise self.refuse(node, "indexes the tiles with a tensor other than arange(N) (gathers rows)")
+        if any(rows(index[p]) is not None for p in tensors):
+            raise self.refuse(node, "indexes with a tensor computed from the tiles")
+        broadcast = max(_ndim(index[p]) for p in tensors)
+        landed = broadcast - (_ndim(index[dim]) - self.iota[index[dim]])
+        adjacent = tensors == list(range(tensors[0], tensors[-1] + 1))
+        return (tensors[0] if adjacent else 0) + landed
 
     def join(self, node, rows):
         """cat / stack: tensors joined along a dim other than the tile dim."""
@@ -396,6 +427,13 @@ _TABLE: dict[str, str] = {
 """Op name (``callable_name``) -> the rule that gives its output's row dim."""
 
 
+_IOTA_VIEWS = ("view", "reshape", "unsqueeze", "expand", "getitem", "to", "long", "int", "contiguous")
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(example_value(node), torch.Tensor)
+
+
 def _embedding(rules: _Rules, node, rows):
     """``F.embedding(ids, table)``: the ids' tile dim, the table untiled."""
     if rows(node.args[1]) is not None:
@@ -403,9 +441,11 @@ def _embedding(rules: _Rules, node, rows):
     return rows(node.args[0])
 
 
-def row_dims(gm: torch.fx.GraphModule, tiled: dict[torch.fx.Node, int], same_size) -> dict[torch.fx.Node, RowDim]:
+def row_dims(
+    gm: torch.fx.GraphModule, tiled: dict[torch.fx.Node, int], same_size, tiles: Any
+) -> dict[torch.fx.Node, RowDim]:
     """The row dim of every node, from the tiled inputs' (``tiled``); raises ``TileMixingError`` on a mix."""
-    rules = _Rules(same_size)
+    rules = _Rules(same_size, tiles)
     found: dict[torch.fx.Node, RowDim] = {}
 
     def rows(arg: Any) -> RowDim:
@@ -420,6 +460,7 @@ def row_dims(gm: torch.fx.GraphModule, tiled: dict[torch.fx.Node, int], same_siz
             name = callable_name(node) if node.op != "call_module" else str(node.target)
             if not any(rows(arg) is not None for arg in node.all_input_nodes):
                 found[node] = _untiled(node)
+                rules.track_iota(node)
                 continue
             if node.target is operator.getitem:
                 name = "getitem"
@@ -485,7 +526,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             "the traced tower has no input whose dim 0 varies: trace it with dynamic=True (vgraph_compile.encoder "
             "does) so the tile count N is symbolic"
         )
-    found = row_dims(gm, tiled, same_size)
+    found = row_dims(gm, tiled, same_size, tiles)
     (output,) = gm.graph.find_nodes(op="output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     for position, arg in enumerate(values):

@@ -144,6 +144,8 @@ class _TileCall(torch.nn.Module):
         self.hidden_states = hidden_states
 
     def forward(self, pixel_values, patch_attention_mask=None):
+        if patch_attention_mask is not None:  # one mask row per tile, by construction: one size symbol for both
+            torch._check(patch_attention_mask.shape[0] == pixel_values.shape[0])
         out = self.tower(pixel_values, return_dict=True, **_extra(patch_attention_mask, self.hidden_states))
         return _OutputFields.flatten(out)
 

@@ -1,0 +1,167 @@
+"""Every fixed-tile tower family of the installed transformers, tiny and random, served by vgraph tile buckets."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from vgraph_compile.counters import counters
+from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, tile_buckets
+
+transformers = pytest.importorskip("transformers", minversion="5.23")
+
+FAMILIES = (
+    "gemma3", "paligemma", "llava_onevision", "aya_vision", "cohere2_vision", "deepseek_vl",  # SigLIP
+    "llava", "llava_next", "vipllava",  # CLIP
+    "idefics2", "idefics3", "smolvlm", "granite_docling",  # SigLIP-style with a patch mask
+    "internvl", "janus", "ovis2", "got_ocr2",
+)  # fmt: skip
+"""The VLM families whose tower takes a batch of same-size images (issue table); their towers are built from the
+families' own configs below, so a family whose tower class others share is tested once per tower class."""
+REFUSED = {
+    "janus": "merges or splits the tile dim",  # attention reshapes [N, L, d] to [N*L, heads, d]
+    "got_ocr2": "merges or splits the tile dim",  # SAM attention reshapes [3, N, heads, ...] to [3, N*heads, ...]
+}
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+MAX_ITEMS, EXACT_ITEMS = 10, 4
+# buckets 1, 2, 3, 4, 5, 7, 8, 10: N = 1, 2, 7 (a prime and exactly a bucket), 9 (pads to 10), 10 (max_items),
+# 13 (past max_items: 10 + 3, two graph calls)
+CALLS = (1, 2, 7, 9, 10, 13)
+
+
+def tiny_tower(family: str) -> torch.nn.Module:
+    """The family's vision tower from its own vision config, shrunk; the class is the one transformers maps that
+    config to (AutoModel), else the family's module class whose config_class is that config."""
+    vision = transformers.CONFIG_MAPPING[family]().vision_config
+    for name, value in TINY.items():
+        if hasattr(vision, name):
+            setattr(vision, name, [value, value] if isinstance(getattr(vision, name), (list, tuple)) else value)
+    try:
+        tower = transformers.AutoModel.from_config(vision)
+    except ValueError:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        (cls,) = [
+            c
+            for name, c in vars(module).items()
+            if inspect.isclass(c) and getattr(c, "config_class", None) is type(vision) and "PreTrained" not in name
+        ]
+        tower = cls(vision)
+    torch.manual_seed(0)
+    for parameter in tower.parameters():  # random weights large enough to make every layer matter
+        torch.nn.init.normal_(parameter, std=0.2)
+    return tower.eval()
+
+
+def _towers() -> dict[str, str]:
+    """One family per tower class: tower class name -> family."""
+    seen = {}
+    for family in FAMILIES:
+        if family in transformers.CONFIG_MAPPING:
+            seen.setdefault(type(tiny_tower(family)).__name__, family)
+    return seen
+
+
+TOWERS = _towers()
+SERVED = sorted(family for family in TOWERS.values() if family not in REFUSED)
+
+
+def _pixels(tiles: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(tiles, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_outputs_equal(got, want):
+    for name, value in want.items():
+        values = value if isinstance(value, tuple) else (value,)
+        served = getattr(got, name)
+        for mine, theirs in zip(served if isinstance(served, tuple) else (served,), values):
+            if theirs is None:
+                assert mine is None
+                continue
+            error = (mine - theirs).abs().max() / theirs.abs().max()
+            assert error <= 1e-5, f"{name}: relative error {error}"
+
+
+def test_every_family_of_the_issue_has_a_tower_class():
+    assert {"SiglipVisionModel", "CLIPVisionModel", "Idefics3VisionTransformer", "InternVLVisionModel"} <= set(TOWERS)
+    assert all(is_tile_tower(tiny_tower(family)) for family in TOWERS.values())
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_tower_is_eager_equal_and_served_by_bucket_graphs(family):
+    """Every N of CALLS matches the stock tower (last_hidden_state, pooler_output, every hidden state) and is served
+    by graphs: one replay per call, two for the call past max_items."""
+    tower = tiny_tower(family)
+    compiled = compile_tile_tower(tower, max_items=MAX_ITEMS, exact_items=EXACT_ITEMS, compiler="eager")
+    assert tile_buckets(MAX_ITEMS, EXACT_ITEMS) == (1, 2, 3, 4, 5, 7, 8, 10)
+    with torch.no_grad():
+        compiled(_pixels(3), output_hidden_states=True)  # the trace
+        with counters.expect(replays=len(CALLS) + 1):
+            for tiles in CALLS:
+                pixels = _pixels(tiles, seed=tiles)
+                _assert_outputs_equal(compiled(pixels, output_hidden_states=True), tower(pixels, output_hidden_states=True))
+    assert compiled.split_calls == 1 and compiled.stock_calls == 0
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_tower_that_mixes_tiles_is_refused_naming_the_op(family):
+    compiled = compile_tile_tower(tiny_tower(family), max_items=4, compiler="eager")
+    with pytest.raises(ValueError, match=REFUSED[family]), torch.no_grad():
+        compiled(_pixels(2))
+
+
+def test_selected_hidden_state_is_served():
+    """LLaVA's vision_feature_layer reaches the tower as output_hidden_states=[-2]."""
+    tower = tiny_tower("llava")
+    compiled = compile_tile_tower(tower, max_items=4, compiler="eager")
+    with torch.no_grad():
+        pixels = _pixels(3)
+        got, want = compiled(pixels, output_hidden_states=[-2]), tower(pixels, output_hidden_states=[-2])
+        _assert_outputs_equal(got, want)
+        assert [h is None for h in got.hidden_states] == [h is None for h in want.hidden_states]
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_padding_tiles_with_patch_mask(family):
+    """Idefics3/SmolVLM batches: an all-zero padding image, and images smaller than the tile (a partial mask)."""
+    tower = tiny_tower(family)
+    compiled = compile_tile_tower(tower, max_items=8, compiler="eager")
+    pixels = _pixels(5)
+    pixels[3] = 0
+    mask = torch.ones(5, 4, 4, dtype=torch.bool)
+    mask[1, 2:, :] = False
+    mask[4, :, 3:] = False
+    pixels[1, :, 16:, :] = 0
+    with torch.no_grad(), counters.expect(traces=1, buckets_built=8, replays=1):
+        got = compiled(pixels, patch_attention_mask=mask)
+    _assert_outputs_equal(got, tower(pixels, patch_attention_mask=mask))
+
+
+def test_nan_tile_leaves_the_others_bit_identical():
+    tower = tiny_tower("internvl")
+    compiled = compile_tile_tower(tower, max_items=8, compiler="eager")
+    pixels = _pixels(6)
+    with torch.no_grad():
+        clean = compiled(pixels).last_hidden_state
+        pixels[2, 0, 5, 5] = float("nan")
+        pixels[4, 1, 0, 0] = float("inf")
+        poisoned = compiled(pixels).last_hidden_state
+    keep = [0, 1, 3, 5]
+    assert torch.equal(clean[keep], poisoned[keep])
+    assert poisoned[2].isnan().any()
+
+
+def test_bad_input_is_refused_in_the_users_names():
+    compiled = compile_tile_tower(tiny_tower("gemma3"), max_items=4, compiler="eager")
+    with pytest.raises(ValueError, match=r"pixel_values must be \[tiles, 3, 32, 32\]"), torch.no_grad():
+        compiled(torch.randn(2, 3, 64, 64))
+    with pytest.raises(ValueError, match="token_budgets is not a tile-tower option"):
+        compile_tile_tower(tiny_tower("gemma3"), token_budgets=(4,))
+
+
+def test_grad_calls_run_the_stock_tower():
+    tower = tiny_tower("gemma3")
+    compiled = compile_tile_tower(tower, max_items=4, compiler="eager")
+    compiled(_pixels(2)).last_hidden_state.sum().backward()
+    assert compiled.stock_calls == 1 and next(tower.parameters()).grad is not None
+    assert compiled.state_dict().keys() == tower.state_dict().keys()
