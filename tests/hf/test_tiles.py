@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vgraph_compile.counters import counters
-from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, tile_buckets
+from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, replace_tile_tower, tile_buckets
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
 
@@ -165,3 +165,93 @@ def test_grad_calls_run_the_stock_tower():
     compiled(_pixels(2)).last_hidden_state.sum().backward()
     assert compiled.stock_calls == 1 and next(tower.parameters()).grad is not None
     assert compiled.state_dict().keys() == tower.state_dict().keys()
+
+
+# -- whole VLMs --------------------------------------------------------------------------------------------------
+TEXT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+TEXT_VOCAB = dict(vocab_size=128, head_dim=16)
+IMAGE_TOKEN = 100
+PINPOINTS = [[64, 64], [64, 128], [128, 64], [128, 128]]
+VLMS = {
+    # family: (model class, tower path, top-level config, image processor class and its arguments, photograph)
+    "internvl": (
+        "InternVLForConditionalGeneration", "model.vision_tower", {},
+        ("GotOcr2ImageProcessorPil", dict(crop_to_patches=True, size={"height": 64, "width": 64}, max_patches=6)),
+        "astronaut",
+    ),
+    "smolvlm": (
+        "SmolVLMForConditionalGeneration", "model.vision_model", {"scale_factor": 2},
+        ("SmolVLMImageProcessorPil", dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})),
+        "chelsea",
+    ),
+    "gemma3": (
+        "Gemma3ForConditionalGeneration", "model.vision_tower", {"mm_tokens_per_image": 4},
+        ("Gemma3ImageProcessorPil", dict(size={"height": 64, "width": 64}, do_pan_and_scan=True,
+                                         pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=4,
+                                         pan_and_scan_min_ratio_to_activate=1.2)),
+        "chelsea",
+    ),
+    "llava_onevision": (
+        "LlavaOnevisionForConditionalGeneration", "model.vision_tower", {"image_grid_pinpoints": PINPOINTS},
+        ("LlavaOnevisionImageProcessorPil", dict(size={"height": 64, "width": 64}, crop_size={"height": 64, "width": 64},
+                                                  image_grid_pinpoints=PINPOINTS)),
+        "astronaut",
+    ),
+}  # fmt: skip
+"""Each family's own image processor (its PIL backend: torchvision is not installed here) at a tile of 64 px."""
+
+
+def _set(config, values):
+    for name, value in values.items():
+        if hasattr(config, name):
+            pair = isinstance(value, int) and isinstance(getattr(config, name), (list, tuple))
+            setattr(config, name, [value, value] if pair else value)
+
+
+def tiny_vlm(family: str):
+    model_class, _, top, _, _ = VLMS[family]
+    config = transformers.CONFIG_MAPPING[family]()
+    _set(config.text_config, {**TEXT, **TEXT_VOCAB})
+    _set(config.vision_config, {**{k: v for k, v in TINY.items() if k != "image_size"}, "image_size": 64, "patch_size": 16})
+    _set(config, {"image_token_id": IMAGE_TOKEN, "image_token_index": IMAGE_TOKEN, **top})
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def _inputs(family: str, model) -> dict:
+    """The processor's tensors for a real photograph, and a prompt with as many image tokens as the stock model
+    makes image features (so the prompt fits whatever tiling the processor chose)."""
+    skimage_data = pytest.importorskip("skimage.data")
+    _, _, _, (processor_class, arguments), photo = VLMS[family]
+    processor = getattr(transformers, processor_class)(**arguments)
+    inputs = {
+        name: value
+        for name, value in processor(images=getattr(skimage_data, photo)(), return_tensors="pt").items()
+        if name not in ("num_patches", "num_crops")
+    }
+    with torch.no_grad():
+        features = model.model.get_image_features(**inputs).pooler_output
+    rows = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in (features if isinstance(features, (list, tuple)) else [features]))
+    input_ids = torch.tensor([[1] + [IMAGE_TOKEN] * rows + [5, 6, 7]])
+    return {**inputs, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+@pytest.mark.parametrize("family", sorted(VLMS))
+def test_vlm_logits_and_greedy_tokens_with_the_tile_tower(family):
+    """The model with its tower replaced gives the stock logits and greedy tokens, on the family's processor output
+    for a photograph, its state dict keys unchanged and every tower call served by bucket graphs."""
+    model = tiny_vlm(family)
+    inputs = _inputs(family, model)
+    assert inputs["pixel_values"].reshape(-1, 3, 64, 64).shape[0] > 1, "the processor should tile the photograph"
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    tower = replace_tile_tower(model, VLMS[family][1], compiler="eager", max_items=8)
+    with torch.no_grad():
+        served = model(**inputs).logits
+        served_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert ((served - logits).abs().max() / logits.abs().max()) <= 1e-5
+    assert torch.equal(served_tokens, tokens)
+    assert list(model.state_dict()) == keys
+    assert tower.stock_calls == 0 and sum(runtime.hits for runtime in tower.runtimes) >= 2

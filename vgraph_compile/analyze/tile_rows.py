@@ -533,8 +533,9 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
             if found.get(arg) not in (0, None) or not same_size(example_value(arg).shape[0], tiles):
                 raise TileMixingError(
-                    f"output {position} ({arg.format_node()}) does not have the tiles in dim 0 (they are in dim "
-                    f"{found.get(arg)}): vgraph narrows outputs to the real tiles along dim 0"
+                    f"output {position} ({arg.format_node()}, shape {tuple(example_value(arg).shape)}) does not have "
+                    f"the tiles ({tiles}) in dim 0 (its tile dim: {found.get(arg)}): vgraph narrows outputs to the "
+                    "real tiles along dim 0"
                 )
     ctx.config = _reachable_budgets(ctx, tiles, simplify)
     features = _feature_sizes(inputs, simplify, shape_env)

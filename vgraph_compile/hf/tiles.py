@@ -20,7 +20,6 @@ Design, and why:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -246,9 +245,7 @@ class CompiledTileTower(torch.nn.Module):
         for start in range(0, pixel_values.shape[0], self.max_items):
             rows = slice(start, start + self.max_items)
             args = (pixel_values[rows],) if patch_attention_mask is None else (pixel_values[rows], patch_attention_mask[rows])
-            context = torch._dynamo.config.patch(recompile_limit=_TRACE_RECOMPILE_LIMIT)
-            with context if not compiled.traced else contextlib.nullcontext():
-                chunks.append(compiled(*args))
+            chunks.append(compiled(*args) if compiled.traced else _trace(compiled, args))
         if len(chunks) > 1:
             self.split_calls += 1
         flat = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*chunks)]
@@ -271,6 +268,18 @@ class CompiledTileTower(torch.nn.Module):
                 f"patch_attention_mask must be [tiles, patches high, patches wide] with one row per tile of "
                 f"pixel_values ({pixel_values.shape[0]}), got {tuple(mask.shape)}"
             )
+
+
+def _trace(compiled: CompiledEncoderFunction, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The first call, which traces. One tile is traced as two copies of it, its outputs cut back to one row:
+    dynamo specializes a size of 1 (``F.multi_head_attention_forward`` then drops the batch dim), and the trace
+    must serve every N."""
+    single = args[0].shape[0] == 1
+    if single:
+        args = tuple(torch.cat([arg, arg]) for arg in args)
+    with torch._dynamo.config.patch(recompile_limit=_TRACE_RECOMPILE_LIMIT):
+        outputs = compiled(*args)
+    return tuple(output[:1] for output in outputs) if single else outputs
 
 
 def _extra(mask: torch.Tensor | None, hidden: Any) -> dict:
