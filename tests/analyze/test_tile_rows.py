@@ -69,6 +69,29 @@ class ShiftedTiles(torch.nn.Module):
         return torch.cat([pixel_values[1:], pixel_values[:1]])
 
 
+class MergedRows(torch.nn.Module):
+    """Janus's attention: tiles merged with their tokens (``[N*L, heads, d]``), normalized per row, split back."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, pixel_values):
+        x = pixel_values.flatten(2).transpose(1, 2)  # [N, 64, 3]
+        rows = self.norm(x.reshape(-1, 3).repeat(1, 4)[:, :4]) * 2 + 1  # [N*64, 4]
+        return rows.reshape(pixel_values.shape[0], 64, 4).mean(dim=1)
+
+
+class MergedSum(torch.nn.Module):
+    def forward(self, pixel_values):
+        return pixel_values.reshape(-1, 64).sum(dim=0, keepdim=True).expand(pixel_values.shape[0] * 3, 64)
+
+
+def test_a_tile_dim_merged_into_rows_and_split_back_keeps_tiles_apart():
+    _, ctx = _run(MergedRows())
+    assert [len(shape) for shape in ctx.spec.outputs] == [2]
+
+
 @pytest.mark.parametrize(
     "module, named",
     [
@@ -76,6 +99,7 @@ class ShiftedTiles(torch.nn.Module):
         (CrossTileAttention(), "scaled_dot_product_attention"),
         (TrainingBatchNorm().train(), "batch statistics"),
         (ShiftedTiles(), "slices the tile dim"),
+        (MergedSum(), "reduces over the tile dim"),
     ],
 )
 def test_a_tower_that_mixes_tiles_is_refused_naming_the_op(module, named):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 import operator
 from typing import Any, Callable
 
@@ -41,8 +42,35 @@ __all__ = ["run", "row_dims", "TileMixingError"]
 
 log = logging.getLogger(__name__)
 
+@dataclass(frozen=True)
+class Merged:
+    """The tiles are the outer factor of dim ``dim``: ``N * k`` rows there, tile i's k rows contiguous (Janus's
+    attention reshapes ``[N, L, d]`` to ``[N*L, heads, d]``). Rules see ``dim``; only a reshape splits it back."""
+
+    dim: int
+
+
 RowDim = Any
-"""None (no tile dependence), an int (the tile dim of a tensor), or a tuple of these (a tuple/list value)."""
+"""None (no tile dependence), an int (the tile dim of a tensor), a ``Merged`` tile dim, or a tuple of these (a
+tuple/list value)."""
+
+
+def _kinds(row: RowDim) -> set[type]:
+    if isinstance(row, tuple):
+        return set().union(*map(_kinds, row)) if row else set()
+    return set() if row is None else {type(row)}
+
+
+def _unwrap(row: RowDim) -> RowDim:
+    if isinstance(row, tuple):
+        return tuple(map(_unwrap, row))
+    return row.dim if isinstance(row, Merged) else row
+
+
+def _wrap(row: RowDim) -> RowDim:
+    if isinstance(row, tuple):
+        return tuple(map(_wrap, row))
+    return Merged(row) if isinstance(row, int) else row
 
 
 class TileMixingError(ValueError):
@@ -64,9 +92,11 @@ def _norm(dim: int, ndim: int) -> int:
 class _Rules:
     """The row-dim rules, each ``rule(node, rows) -> RowDim``; ``rows(arg)`` is an argument's row dim."""
 
-    def __init__(self, same_size: Callable[[Any, Any], bool], tiles: Any) -> None:
-        self.same_size = same_size
+    def __init__(self, simplify: Callable[[Any], sympy.Expr], tiles: sympy.Expr) -> None:
+        self.simplify = simplify
         self.tiles = tiles
+        self.merged = False
+        """Whether the op being checked takes a merged tile dim (``Merged``, passed to the rule as its dim)."""
         self.iota: dict[torch.fx.Node, int] = {}
         """Nodes holding ``arange(N)`` along one dim (the dim), constant along the others: tile indices."""
 
@@ -82,6 +112,9 @@ class _Rules:
                 self.iota[node] = getattr(self, _TABLE[name])(node, lambda arg: self.iota.get(arg))
             except TileMixingError:
                 pass
+
+    def same_size(self, a: Any, b: Any) -> bool:
+        return sympy.simplify(self.simplify(a) - self.simplify(b)) == 0
 
     @staticmethod
     def refuse(node: torch.fx.Node, why: str) -> TileMixingError:
@@ -237,17 +270,24 @@ class _Rules:
         return None
 
     def reshape(self, node, rows):
+        """The tile dim kept as a dim (``[N, L, D] -> [N, L*D]``) or merged as the outer factor of one
+        (``[N, L, D] -> [N*L, D]``, ``Merged``), and back: the elements before it, and the tiles' order, unchanged."""
         source = node.args[0]
-        dim = rows(source)
-        if dim is None:
+        row = rows(source)
+        if row is None:
             return None
+        dim = row.dim if isinstance(row, Merged) else row
         before, after = _value(source).shape, _value(node).shape
         prefix = math.prod(before[:dim]) if dim else 1
         for out_dim in range(len(after)):
-            out_prefix = math.prod(after[:out_dim]) if out_dim else 1
-            if self.same_size(after[out_dim], before[dim]) and self.same_size(out_prefix, prefix):
+            if not self.same_size(math.prod(after[:out_dim]) if out_dim else 1, prefix):
+                continue
+            per_tile = sympy.simplify(self.simplify(after[out_dim]) / self.tiles)
+            if per_tile == 1:
                 return out_dim
-        raise self.refuse(node, f"merges or splits the tile dim ({tuple(before)} -> {tuple(after)})")
+            if per_tile.is_Integer and per_tile > 1:
+                return Merged(out_dim)
+        raise self.refuse(node, f"splits the tile dim ({tuple(before)} -> {tuple(after)})")
 
     def permute(self, node, rows):
         dim = rows(node.args[0])
@@ -336,6 +376,8 @@ class _Rules:
     def gather(self, node, index, dim, rows):
         """``x[..., i, ...]`` with tensor indices: the tile dim's index must be ``arange(N)`` (possibly viewed,
         unsqueezed or expanded: ``self.iota``) and no other index tiled, so output row i reads tile i only."""
+        if self.merged:
+            raise self.refuse(node, "indexes a merged tile dim with a tensor")
         if any(item is Ellipsis or item is None for item in index):
             raise self.refuse(node, "indexes with a tensor and None/Ellipsis, which vgraph does not analyze")
         tensors = [p for p, item in enumerate(index) if isinstance(item, torch.fx.Node) and _is_tensor(item)]
@@ -442,14 +484,17 @@ def _embedding(rules: _Rules, node, rows):
 
 
 def row_dims(
-    gm: torch.fx.GraphModule, tiled: dict[torch.fx.Node, int], same_size, tiles: Any
+    gm: torch.fx.GraphModule, tiled: dict[torch.fx.Node, int], simplify, tiles: sympy.Expr
 ) -> dict[torch.fx.Node, RowDim]:
     """The row dim of every node, from the tiled inputs' (``tiled``); raises ``TileMixingError`` on a mix."""
-    rules = _Rules(same_size, tiles)
+    rules = _Rules(simplify, tiles)
     found: dict[torch.fx.Node, RowDim] = {}
 
     def rows(arg: Any) -> RowDim:
         return found.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+    def plain_rows(arg: Any) -> RowDim:
+        return _unwrap(rows(arg))
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -458,7 +503,8 @@ def row_dims(
             found[node] = None
         elif node.op in ("call_function", "call_method", "call_module"):
             name = callable_name(node) if node.op != "call_module" else str(node.target)
-            if not any(rows(arg) is not None for arg in node.all_input_nodes):
+            kinds = set().union(*(_kinds(rows(arg)) for arg in node.all_input_nodes))
+            if not kinds:
                 found[node] = _untiled(node)
                 rules.track_iota(node)
                 continue
@@ -467,11 +513,21 @@ def row_dims(
             rule = _TABLE.get(name)
             if rule is None:
                 raise rules.refuse(node, "is an op vgraph cannot prove keeps tiles apart (no rule for it)")
-            if rule == "linear_embedding":
-                found[node] = _embedding(rules, node, rows)
+            if kinds == {int} or rule == "reshape":
+                rules.merged = False
+                found[node] = _apply(rules, rule, node, rows)
+            elif kinds == {Merged}:
+                rules.merged = True
+                found[node] = _wrap(_apply(rules, rule, node, plain_rows))
             else:
-                found[node] = getattr(rules, rule)(node, rows)
+                raise rules.refuse(node, "combines tensors whose tiles are a dim with tensors whose tiles are merged")
     return found
+
+
+def _apply(rules: _Rules, rule: str, node: torch.fx.Node, rows) -> RowDim:
+    if rule == "linear_embedding":
+        return _embedding(rules, node, rows)
+    return getattr(rules, rule)(node, rows)
 
 
 def _untiled(node: torch.fx.Node) -> RowDim:
@@ -501,9 +557,6 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         expr = value.node.expr if isinstance(value, torch.SymInt) else value
         return sympy.sympify(shape_env.replace(sympy.sympify(expr)))
 
-    def same_size(a, b) -> bool:
-        return sympy.simplify(simplify(a) - simplify(b)) == 0
-
     inputs = graph_inputs(gm, ctx)
     tiles, tiled = None, {}
     for index, node in enumerate(inputs.nodes):
@@ -526,12 +579,12 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             "the traced tower has no input whose dim 0 varies: trace it with dynamic=True (vgraph_compile.encoder "
             "does) so the tile count N is symbolic"
         )
-    found = row_dims(gm, tiled, same_size, tiles)
+    found = row_dims(gm, tiled, simplify, tiles)
     (output,) = gm.graph.find_nodes(op="output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     for position, arg in enumerate(values):
         if isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
-            if found.get(arg) not in (0, None) or not same_size(example_value(arg).shape[0], tiles):
+            if found.get(arg) not in (0, None) or sympy.simplify(simplify(example_value(arg).shape[0]) - tiles) != 0:
                 raise TileMixingError(
                     f"output {position} ({arg.format_node()}, shape {tuple(example_value(arg).shape)}) does not have "
                     f"the tiles ({tiles}) in dim 0 (its tile dim: {found.get(arg)}): vgraph narrows outputs to the "
