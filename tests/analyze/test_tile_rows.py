@@ -87,6 +87,16 @@ class MergedSum(torch.nn.Module):
         return pixel_values.reshape(-1, 64).sum(dim=0, keepdim=True).expand(pixel_values.shape[0] * 3, 64)
 
 
+class WritesInPlace(torch.nn.Module):
+    """An in-place write of tiles into a tensor the analysis saw as untiled: refused (its later uses would be
+    read as untiled)."""
+
+    def forward(self, pixel_values):
+        total = pixel_values.new_zeros(pixel_values.shape)
+        total.add_(pixel_values)
+        return total
+
+
 def test_a_tile_dim_merged_into_rows_and_split_back_keeps_tiles_apart():
     _, ctx = _run(MergedRows())
     assert [len(shape) for shape in ctx.spec.outputs] == [2]
@@ -100,6 +110,7 @@ def test_a_tile_dim_merged_into_rows_and_split_back_keeps_tiles_apart():
         (TrainingBatchNorm().train(), "batch statistics"),
         (ShiftedTiles(), "slices the tile dim"),
         (MergedSum(), "reduces over the tile dim"),
+        (WritesInPlace(), "in place"),
     ],
 )
 def test_a_tower_that_mixes_tiles_is_refused_naming_the_op(module, named):

@@ -139,6 +139,9 @@ class _Rules:
             placed.add(ndim - (_ndim(arg) - dim))
         if len(placed) > 1:
             raise self.refuse(node, f"broadcasts tiled inputs against each other along dims {sorted(placed)}")
+        in_place = callable_name(node).endswith("_") or callable_name(node) in ("iadd", "imul", "isub", "itruediv")
+        if in_place and placed and rows(node.args[0]) is None:
+            raise self.refuse(node, "writes tiled values into an untiled tensor in place")
         return placed.pop() if placed else None
 
     def reduction(self, node, rows):
@@ -146,7 +149,10 @@ class _Rules:
         if dim is None:
             return None
         ndim = _ndim(node.args[0])
-        reduced = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        position = 2 if callable_name(node) == "norm" else 1  # norm(input, p, dim)
+        reduced = node.kwargs.get("dim", node.args[position] if len(node.args) > position else None)
+        if isinstance(reduced, torch.fx.Node) and isinstance(_value(reduced), torch.Tensor):
+            return self.elementwise(node, rows)  # max(a, b), min(a, b): elementwise
         if reduced is None or (isinstance(reduced, (tuple, list)) and len(reduced) == 0):
             raise self.refuse(node, "reduces over every dim, the tile dim included")
         reduced = {_norm(d, ndim) for d in (reduced if isinstance(reduced, (tuple, list)) else (reduced,))}
