@@ -2,9 +2,12 @@
 
 import importlib
 import inspect
+import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, replace_tile_tower, tile_buckets
@@ -76,6 +79,15 @@ def _assert_outputs_equal(got, want):
                 continue
             error = (mine - theirs).abs().max() / theirs.abs().max()
             assert error <= 1e-5, f"{name}: relative error {error}"
+
+
+@given(st.integers(1, 200), st.integers(1, 16), st.sampled_from([1.1, 1.25, 1.5, 2.0]))
+def test_tile_buckets_cover_every_count_with_bounded_padding(max_items, exact_items, growth):
+    counts = tile_buckets(max_items, exact_items, growth)
+    assert counts[: min(exact_items, max_items)] == tuple(range(1, min(exact_items, max_items) + 1))
+    assert counts[-1] == max_items and list(counts) == sorted(set(counts))
+    for smaller, larger in zip(counts[exact_items - 1 :], counts[exact_items:]):
+        assert larger <= math.ceil(smaller * growth**1.5)
 
 
 def test_every_family_of_the_issue_has_a_tower_class():

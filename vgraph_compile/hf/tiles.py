@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vgraph_compile.analyze import TILE_ANALYSES
-from vgraph_compile.config import VGraphConfig, generate_budgets
+from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import CompiledEncoderFunction
 
 __all__ = [
@@ -56,15 +57,23 @@ _PACKED_ARGUMENTS = ("grid_thw", "spatial_shapes", "pixel_attention_mask", "imag
 def tile_buckets(
     max_items: int = DEFAULT_MAX_ITEMS, exact_items: int = DEFAULT_EXACT_ITEMS, growth: float = DEFAULT_ITEM_GROWTH
 ) -> tuple[int, ...]:
-    """Tile counts with one graph each: 1..exact_items, then ``growth`` times larger up to ``max_items``."""
+    """Tile counts with one graph each: 1..exact_items, then ``growth`` times larger (rounded up), then
+    ``max_items``; a count closer than half a growth step below ``max_items`` is left out (8, 32, 1.25: 1..8, 10,
+    13, 16, 20, 25, 32, not 31 and 32). Past ``exact_items``, consecutive counts are at most ``growth ** 1.5`` apart
+    (rounded up): a call pads at most that much."""
     if max_items <= 0 or exact_items <= 0:
         raise ValueError(f"max_items={max_items} and exact_items={exact_items} must be positive")
     if growth <= 1.0:
         raise ValueError(f"item_growth must be > 1, got {growth}")
-    exact = tuple(range(1, min(exact_items, max_items) + 1))
-    if max_items <= exact_items:
-        return exact
-    return exact + generate_budgets(exact_items, max_items, growth)[1:]
+    counts = list(range(1, min(exact_items, max_items) + 1))
+    value = float(exact_items)
+    while max_items > counts[-1]:
+        value *= growth
+        if math.ceil(value) * math.sqrt(growth) >= max_items:
+            counts.append(max_items)
+        elif math.ceil(value) > counts[-1]:
+            counts.append(math.ceil(value))
+    return tuple(counts)
 
 
 def _image_size(config) -> tuple[int, int] | None:
