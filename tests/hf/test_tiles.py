@@ -95,6 +95,14 @@ def test_every_family_of_the_issue_has_a_tower_class():
     assert all(is_tile_tower(tiny_tower(family)) for family in TOWERS.values())
 
 
+@pytest.mark.parametrize("family", ["lfm2_vl", "mistral3", "qwen2_5_vl"])
+def test_variable_size_towers_are_not_tile_towers(family):
+    """SigLIP2 NaFlex (spatial_shapes), Pixtral (image_sizes) and Qwen (grid_thw) take images of several sizes."""
+    assert not is_tile_tower(tiny_tower(family))
+    with pytest.raises(ValueError, match="is not a fixed-tile tower"):
+        compile_tile_tower(tiny_tower(family))
+
+
 @pytest.mark.parametrize("family", SERVED)
 def test_tower_is_eager_equal_and_served_by_bucket_graphs(family):
     """Every N of CALLS matches the stock tower (last_hidden_state, pooler_output, every hidden state) and is served

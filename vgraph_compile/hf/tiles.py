@@ -248,6 +248,8 @@ class CompiledTileTower(torch.nn.Module):
                 extra["return_dict"] = return_dict
             return self.tower(pixel_values, **extra, **kwargs)
         self._check(pixel_values, patch_attention_mask)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.tower.config, "output_hidden_states", None)
         key = (patch_attention_mask is not None, _hidden_key(output_hidden_states))
         compiled, fields = self._entry(key, pixel_values, patch_attention_mask)
         chunks = []
@@ -305,11 +307,10 @@ def _install_output_hooks(tower: torch.nn.Module) -> None:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:
         return
-    if hasattr(tower, "_can_record_outputs") or getattr(tower, "_can_record_outputs", None) is not None:
-        try:
-            maybe_install_capturing_hooks(tower)
-        except (KeyError, TypeError, AttributeError):
-            log.debug("no output-capturing hooks for %s", type(tower).__name__)
+    try:
+        maybe_install_capturing_hooks(tower)
+    except (KeyError, TypeError, AttributeError):  # a tower that records no outputs
+        log.debug("no output-capturing hooks for %s", type(tower).__name__)
 
 
 def compile_tile_tower(
