@@ -97,6 +97,11 @@ class WritesInPlace(torch.nn.Module):
         return total
 
 
+class ScaledByCount(torch.nn.Module):
+    def forward(self, pixel_values):
+        return pixel_values / pixel_values.shape[0]
+
+
 def test_a_tile_dim_merged_into_rows_and_split_back_keeps_tiles_apart():
     _, ctx = _run(MergedRows())
     assert [len(shape) for shape in ctx.spec.outputs] == [2]
@@ -111,6 +116,7 @@ def test_a_tile_dim_merged_into_rows_and_split_back_keeps_tiles_apart():
         (ShiftedTiles(), "slices the tile dim"),
         (MergedSum(), "reduces over the tile dim"),
         (WritesInPlace(), "in place"),
+        (ScaledByCount(), "from the tile count"),
     ],
 )
 def test_a_tower_that_mixes_tiles_is_refused_naming_the_op(module, named):

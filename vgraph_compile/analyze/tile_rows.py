@@ -6,12 +6,16 @@ is exact only if no op lets one row reach another. This pass proves it.
 
 Invariant: never mutates the graph. Every tensor node gets a *row dim*: the dim that indexes the tiles, or None
 when its values depend on no tile (parameters, constants, sizes). A node's row dim follows from its inputs' by the
-op's rule (``_RULES``); a rule accepts only uses where output row i is a function of row i of each input:
+op's rule (``_TABLE``); a rule accepts only uses where output row i is a function of row i of each input:
 - elementwise ops and casts: every tiled input's row dim lands on the same broadcast output dim;
 - reductions, softmax, cumsum and norms: over dims other than the row dim (never over every dim);
 - linear / matmul / einsum / attention: the row dim is a batch dim, never a contracted or sequence dim;
 - convolutions, group/instance norm, interpolate: the row dim is dim 0; batch norm only with running stats;
-- views and reshapes: the row dim survives as one dim with the same elements before it (``[N, L, D] -> [N, L*D]``);
+- views and reshapes: the row dim survives as one dim with the same elements before it (``[N, L, D] -> [N, L*D]``),
+  or becomes the outer factor of one (``[N, L, D] -> [N*L, D]``: ``Merged``, which a later reshape splits back;
+  every other rule treats a merged dim as a batch dim, and no op may combine it with a plain tile dim);
+- indexing with tensors: the tile dim's index is ``arange(N)`` (viewed, unsqueezed, expanded), so row i reads
+  tile i (transformers' mask builders index ``mask[batch_idx, kv_idx]``);
   transposes, permutes, squeezes, slices, cat/stack/split: the row dim moves, and is never sliced, split or joined;
 - creation ops (``arange``, ``ones``, ``new_zeros``, ``*_like``): no row dim, whatever their size.
 A tiled input reaching an op with no rule, or a rule's use that mixes rows (batch statistics, attention across
@@ -25,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import sympy
@@ -34,13 +38,14 @@ import torch
 import torch.fx
 
 from vgraph_compile.analyze.discover import _check_no_host_sync, _feature_sizes, _outputs, bindings, graph_inputs
-from vgraph_compile.fx_utils import callable_name, example_value
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.fx_utils import callable_name, example_value
 from vgraph_compile.spec import PassContext, VarlenSpec
 
 __all__ = ["run", "row_dims", "TileMixingError"]
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Merged:
@@ -109,9 +114,11 @@ class _Rules:
             return
         if name in _IOTA_VIEWS and node.args and node.args[0] in self.iota:
             try:
-                self.iota[node] = getattr(self, _TABLE[name])(node, lambda arg: self.iota.get(arg))
+                dim = getattr(self, _TABLE[name])(node, lambda arg: self.iota.get(arg))
             except TileMixingError:
-                pass
+                return
+            if isinstance(dim, int):
+                self.iota[node] = dim
 
     def same_size(self, a: Any, b: Any) -> bool:
         return sympy.simplify(self.simplify(a) - self.simplify(b)) == 0
@@ -139,7 +146,8 @@ class _Rules:
             placed.add(ndim - (_ndim(arg) - dim))
         if len(placed) > 1:
             raise self.refuse(node, f"broadcasts tiled inputs against each other along dims {sorted(placed)}")
-        in_place = callable_name(node).endswith("_") or callable_name(node) in ("iadd", "imul", "isub", "itruediv")
+        name = callable_name(node)
+        in_place = (name.endswith("_") and node.target not in (operator.and_, operator.or_)) or name in _IN_PLACE
         if in_place and placed and rows(node.args[0]) is None:
             raise self.refuse(node, "writes tiled values into an untiled tensor in place")
         return placed.pop() if placed else None
@@ -509,6 +517,8 @@ def row_dims(
             found[node] = None
         elif node.op in ("call_function", "call_method", "call_module"):
             name = callable_name(node) if node.op != "call_module" else str(node.target)
+            if _reads_tile_count(node, tiles):
+                raise rules.refuse(node, "computes values from the tile count N (a bucket's N differs from the call's)")
             kinds = set().union(*(_kinds(rows(arg)) for arg in node.all_input_nodes))
             if not kinds:
                 found[node] = _untiled(node)
@@ -534,6 +544,44 @@ def _apply(rules: _Rules, rule: str, node: torch.fx.Node, rows) -> RowDim:
     if rule == "linear_embedding":
         return _embedding(rules, node, rows)
     return getattr(rules, rule)(node, rows)
+
+
+_IN_PLACE = frozenset({"iadd", "imul", "isub", "itruediv", "iand", "ior"})
+"""In-place operators (``x += y``) besides the ``*_`` methods."""
+_SIZE_ARGUMENTS = frozenset(
+    "view reshape expand repeat flatten unflatten narrow split chunk tensor_split interpolate new_zeros new_ones "
+    "new_empty zeros ones empty _check _assert size".split()
+)
+"""Ops whose integer arguments are sizes: the tile count may reach them (a bucket's graph has its own N)."""
+_VALUE_ARGUMENTS = {"full": ("fill_value", 1), "new_full": ("fill_value", 2), "arange": None}
+"""Ops that take sizes and values: the argument holding a value (name, position); ``arange``: every argument but
+the end."""
+
+
+def _reads_tile_count(node: torch.fx.Node, tiles: sympy.Expr) -> bool:
+    """Whether a tensor op uses a value computed from the tile count N (``x / x.shape[0]``): in a bucket N is the
+    bucket's, so such a value would differ from the call's. Sizes (reshape, expand, arange's end) may use N."""
+    if not isinstance(example_value(node), torch.Tensor):
+        return False
+    name = callable_name(node)
+    if name in _SIZE_ARGUMENTS:
+        return False
+
+    def counts(arg: Any) -> bool:
+        value = _value(arg)
+        return isinstance(value, (torch.SymInt, torch.SymFloat)) and bool(tiles.free_symbols & value.node.expr.free_symbols)
+
+    if name == "arange":
+        positional = node.args if len(node.args) != 1 else ()
+        values = [positional[0]] if positional else []
+        values += list(positional[2:]) + [node.kwargs.get("start"), node.kwargs.get("step")]
+    elif name in _VALUE_ARGUMENTS:
+        keyword, position = _VALUE_ARGUMENTS[name]
+        values = [node.kwargs.get(keyword, node.args[position] if len(node.args) > position else None)]
+    else:
+        values = list(node.args) + list(node.kwargs.values())
+    flat = [item for value in values for item in (value if isinstance(value, (tuple, list)) else (value,))]
+    return any(counts(item) for item in flat)
 
 
 def _untiled(node: torch.fx.Node) -> RowDim:
