@@ -23,19 +23,26 @@ FAMILIES = (
 """The VLM families whose tower takes a batch of same-size images (issue table); their towers are built from the
 families' own configs below, so a family whose tower class others share is tested once per tower class."""
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+SAM = dict(mlp_dim=64, output_channels=16, window_size=2, global_attn_indexes=[1])
+"""GOT-OCR2's SAM encoder: a windowed layer, then a global one."""
 MAX_ITEMS, EXACT_ITEMS = 10, 4
 # buckets 1, 2, 3, 4, 5, 7, 8, 10: N = 1, 2, 7 (a prime and exactly a bucket), 10 (max_items), 16 (past
 # max_items: 10 + 6, two graph calls, the 6 padded to the bucket of 7)
 CALLS = (1, 2, 7, 10, 16)
 
 
+def _set(config, values):
+    for name, value in values.items():
+        if hasattr(config, name):
+            pair = isinstance(value, int) and isinstance(getattr(config, name), (list, tuple))
+            setattr(config, name, [value, value] if pair else value)
+
+
 def tiny_tower(family: str) -> torch.nn.Module:
     """The family's vision tower from its own vision config, shrunk; the class is the one transformers maps that
     config to (AutoModel), else the family's module class whose config_class is that config."""
     vision = transformers.CONFIG_MAPPING[family]().vision_config
-    for name, value in TINY.items():
-        if hasattr(vision, name):
-            setattr(vision, name, [value, value] if isinstance(getattr(vision, name), (list, tuple)) else value)
+    _set(vision, {**TINY, **SAM})
     try:
         tower = transformers.AutoModel.from_config(vision)
     except ValueError:
@@ -208,13 +215,6 @@ VLMS = {
     ),
 }  # fmt: skip
 """Each family's own image processor (its PIL backend: torchvision is not installed here) at a tile of 64 px."""
-
-
-def _set(config, values):
-    for name, value in values.items():
-        if hasattr(config, name):
-            pair = isinstance(value, int) and isinstance(getattr(config, name), (list, tuple))
-            setattr(config, name, [value, value] if pair else value)
 
 
 def tiny_vlm(family: str):
