@@ -34,7 +34,9 @@ TILES = (1, 4, 7, 13)
 TOWERS = {
     "idefics3-384": ("Idefics3VisionConfig", "Idefics3VisionTransformer", dict(image_size=384, patch_size=14)),
     "internvit-448": ("InternVLVisionConfig", "InternVLVisionModel", dict(image_size=[448, 448], patch_size=[14, 14])),
-    "gemma3-896": ("SiglipVisionConfig", "SiglipVisionModel", dict(image_size=896, patch_size=14, vision_use_head=False)),
+    "gemma3-896": (
+        "SiglipVisionConfig", "SiglipVisionModel", dict(image_size=896, patch_size=14, vision_use_head=False)
+    ),
 }
 """Tower name -> (config class, model class, what differs from So400m / InternViT-300M's released sizes)."""
 SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16)

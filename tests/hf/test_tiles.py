@@ -22,7 +22,9 @@ FAMILIES = (
 )  # fmt: skip
 """The VLM families whose tower takes a batch of same-size images (issue table); their towers are built from the
 families' own configs below, so a family whose tower class others share is tested once per tower class."""
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+TINY = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+)
 SAM = dict(mlp_dim=64, output_channels=16, window_size=2, global_attn_indexes=[1])
 """GOT-OCR2's SAM encoder: a windowed layer, then a global one."""
 MAX_ITEMS, EXACT_ITEMS = 10, 4
@@ -122,7 +124,8 @@ def test_tower_is_eager_equal_and_served_by_bucket_graphs(family):
         with counters.expect(replays=len(CALLS) + 1):
             for tiles in CALLS:
                 pixels = _pixels(tiles, seed=tiles)
-                _assert_outputs_equal(compiled(pixels, output_hidden_states=True), tower(pixels, output_hidden_states=True))
+                served = compiled(pixels, output_hidden_states=True)
+                _assert_outputs_equal(served, tower(pixels, output_hidden_states=True))
     assert compiled.split_calls == 1 and compiled.stock_calls == 0
 
 
@@ -209,7 +212,8 @@ VLMS = {
     ),
     "llava_onevision": (
         "LlavaOnevisionForConditionalGeneration", "model.vision_tower", {"image_grid_pinpoints": PINPOINTS},
-        ("LlavaOnevisionImageProcessorPil", dict(size={"height": 64, "width": 64}, crop_size={"height": 64, "width": 64},
+        ("LlavaOnevisionImageProcessorPil", dict(size={"height": 64, "width": 64},
+                                                  crop_size={"height": 64, "width": 64},
                                                   image_grid_pinpoints=PINPOINTS)),
         "astronaut",
     ),
@@ -221,7 +225,7 @@ def tiny_vlm(family: str):
     model_class, _, top, _, _ = VLMS[family]
     config = transformers.CONFIG_MAPPING[family]()
     _set(config.text_config, {**TEXT, **TEXT_VOCAB})
-    _set(config.vision_config, {**{k: v for k, v in TINY.items() if k != "image_size"}, "image_size": 64, "patch_size": 16})
+    _set(config.vision_config, {**TINY, "image_size": 64, "patch_size": 16})
     _set(config, {"image_token_id": IMAGE_TOKEN, "image_token_index": IMAGE_TOKEN, **top})
     torch.manual_seed(0)
     return getattr(transformers, model_class)(config).eval()
@@ -240,7 +244,8 @@ def _inputs(family: str, model) -> dict:
     }
     with torch.no_grad():
         features = model.model.get_image_features(**inputs).pooler_output
-    rows = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in (features if isinstance(features, (list, tuple)) else [features]))
+    features = features if isinstance(features, (list, tuple)) else [features]
+    rows = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
     input_ids = torch.tensor([[1] + [IMAGE_TOKEN] * rows + [5, 6, 7]])
     return {**inputs, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 

@@ -459,7 +459,9 @@ _ELEMENTWISE = (
     "bucketize nan_to_num lerp addcmul addcdiv sub_ add_ mul_ div_ clamp_ masked_fill_ iadd imul isub itruediv "
     "quick_gelu fast_gelu"
 ).split()
-_REDUCTIONS = "sum mean amax amin max min var std norm prod logsumexp all any argmax argmin softmax log_softmax cumsum cumprod".split()
+_REDUCTIONS = (
+    "sum mean amax amin max min var std norm prod logsumexp all any argmax argmin softmax log_softmax cumsum cumprod"
+).split()
 _CREATION = (
     "arange ones zeros full empty tensor new_ones new_zeros new_full new_empty new_tensor ones_like zeros_like "
     "full_like empty_like rand randn linspace eye size dim numel _assert _check"
@@ -569,7 +571,8 @@ def _reads_tile_count(node: torch.fx.Node, tiles: sympy.Expr) -> bool:
 
     def counts(arg: Any) -> bool:
         value = _value(arg)
-        return isinstance(value, (torch.SymInt, torch.SymFloat)) and bool(tiles.free_symbols & value.node.expr.free_symbols)
+        symbolic = isinstance(value, (torch.SymInt, torch.SymFloat))
+        return symbolic and bool(tiles.free_symbols & value.node.expr.free_symbols)
 
     if name == "arange":
         positional = node.args if len(node.args) != 1 else ()

@@ -225,7 +225,8 @@ class CompiledTileTower(torch.nn.Module):
             _install_output_hooks(self.tower)
             call = _TileCall(self.tower, key[1])
             with torch.no_grad():
-                sample = call.tower(pixel_values[:1], return_dict=True, **_extra(None if mask is None else mask[:1], key[1]))
+                first_mask = None if mask is None else mask[:1]
+                sample = call.tower(pixel_values[:1], return_dict=True, **_extra(first_mask, key[1]))
             compiled = CompiledEncoderFunction(call, self.vgraph_config, analyses=TILE_ANALYSES)
             entry = self.compiled[key] = (compiled, _OutputFields.of(sample))
         return entry
@@ -255,7 +256,9 @@ class CompiledTileTower(torch.nn.Module):
         chunks = []
         for start in range(0, pixel_values.shape[0], self.max_items):
             rows = slice(start, start + self.max_items)
-            args = (pixel_values[rows],) if patch_attention_mask is None else (pixel_values[rows], patch_attention_mask[rows])
+            args = (pixel_values[rows],)
+            if patch_attention_mask is not None:
+                args += (patch_attention_mask[rows],)
             chunks.append(compiled(*args) if compiled.traced else _trace(compiled, args))
         if len(chunks) > 1:
             self.split_calls += 1
