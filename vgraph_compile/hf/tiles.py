@@ -13,6 +13,12 @@ Design, and why:
   ``max_items`` is split into calls of at most ``max_items`` tiles, and the outputs are concatenated in order.
 - **Padding:** padded tiles are zero images (and an all-False patch mask); rows are proven independent, so they
   never reach a real tile, and they are dropped. A NaN/Inf tile leaves every other tile bit-identical.
+- **The trace** never sees one tile: dynamo specializes a size of 1, so a first call of one tile is traced as two
+  copies of it. A bucket whose size breaks a guard of the trace or of inductor (``F.multi_head_attention_forward``
+  and inductor's CPU convolution guard N != 1) is dropped, and its calls pad to the next bucket.
+- **Not measured against the packed path:** equal-length varlen segments would need each family's attention and
+  masks rewritten into varlen calls; the batch-dim mode keeps the tower's own attention (sdpa with a batch dim),
+  so no family-specific code exists anywhere.
 - **Outputs:** the traced forward returns the tower's own output fields (``last_hidden_state``,
   ``pooler_output``, the ``hidden_states`` an ``output_hidden_states`` flag or index list selects); one trace per
   distinct argument structure (patch mask or not, hidden-state selection), each with its own buckets.
