@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.compile_backend import VGraphBackend
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
@@ -66,9 +67,9 @@ class _HotPath:
 class CompiledEncoderFunction:
     """What ``vgraph_compile.encoder`` returns: call it like the encoder."""
 
-    def __init__(self, target: Callable[..., Any], config: VGraphConfig) -> None:
+    def __init__(self, target: Callable[..., Any], config: VGraphConfig, analyses: Analyses = ANALYSES) -> None:
         self.target = target
-        self.vgraph = VGraphBackend(config, keep_first_outputs=True)
+        self.vgraph = VGraphBackend(config, keep_first_outputs=True, analyses=analyses)
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
         self._hot: _HotPath | None = None
