@@ -2,7 +2,8 @@
 with dynamo's default config, inductor, and a cold cache of the test's own. Aot_autograd's tensorify pass restarts
 dynamo on such a first trace (``TensorifyScalarRestartAnalysis``); only a build inside dynamo's call of the
 backend lets that restart happen. Each encoder: one compile on the first call, then calls of other sizes served by
-the buckets (counted replays: an eager fallback fails the test) and equal to eager."""
+the buckets (counted replays: an eager fallback fails the test) and equal to eager. ClsViT splits its image counts
+into three traces, one of them specialized by inductor: each is compiled once and bucketed at its own sizes."""
 
 import pytest
 import torch
@@ -82,13 +83,6 @@ ENCODERS = {
         _windowed,
         ([(1, 8, 12), (1, 4, 4)], [(1, 4, 8)], [(2, 8, 8), (1, 2, 4)], [(1, 12, 12), (1, 4, 4), (1, 2, 2)]),
     ),
-    "CLS rows": (
-        lambda: ClsViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8),
-        {},
-        lambda lengths: pack_images(lengths, 12),
-        # ClsViT's cu_seqlens[1:-1] makes dynamo guard on 3 or more images: calls of 1 or 2 retrace
-        ([5, 9, 4], [2, 3, 4, 5], [30, 30, 30], [20] * 6),
-    ),
 }
 
 
@@ -97,9 +91,42 @@ def test_plain_torch_compile_on_a_cold_cache(name, cold_inductor_cache):
     _compile_and_serve(*ENCODERS[name], cold_inductor_cache)
 
 
-def _compile_and_serve(build, options, make_inputs, calls, cache_directory):
-    """Compile ``build()`` with plain torch.compile and call it on ``calls``: one trace and one compile, every
-    call served by a bucket and equal to eager, and inductor's files written in ``cache_directory``."""
+CLS_VIT = (
+    lambda: ClsViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8),
+    {},
+    lambda lengths: pack_images(lengths, 12),
+)
+
+CLS_IMAGE_COUNTS = {
+    # first call: the calls, as patches per image. ClsViT's cu_seqlens[1:-1] splits the image counts into three
+    # traces: dynamo fixes one image (cu_seqlens.shape[0] == 2); inductor fixes two (its length-1 slice) and
+    # guards three or more. 3 traces, 3 compiles, every call a replay.
+    "two images first": ([5, 9], [4, 6, 7], [7], [3, 30, 20, 2, 5], [11, 2], [20, 6, 9]),
+    "three images first": ([4, 6, 7], [11, 2], [3, 30, 20, 2, 5], [7], [5, 9], [30]),
+}
+
+
+def test_cls_rows_at_one_two_three_and_five_images(cold_inductor_cache):
+    """The trace that inductor specialized at two images (``cu_seqlens.shape[0] == 3``) is bucketed at that
+    size, not padded to the budget's segment count: its calls replay and equal eager, in either order. The first
+    order compiles on the cold cache; the second, after a dynamo reset, loads the three compiles from inductor's
+    cache, which adds the same specialization to its new trace."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    for calls in CLS_IMAGE_COUNTS.values():
+        torch._dynamo.reset()
+        dynamo_counters.clear()
+        _compile_and_serve(*CLS_VIT, calls, cold_inductor_cache, traces=3)
+        traces = vgraph_compile.runtimes()[-3:]
+        (two_images,) = [runtime for runtime in traces if runtime.buckets[0].shape.segments == (2,)]
+        assert [bucket.stats.hits for bucket in two_images.buckets] == [2, 0], two_images.stats_table()
+    inductor = dynamo_counters["inductor"]
+    assert (inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]) == (3, 0), dict(dynamo_counters)
+
+
+def _compile_and_serve(build, options, make_inputs, calls, cache_directory, traces=1):
+    """Compile ``build()`` with plain torch.compile and call it on ``calls``: ``traces`` traces, one compile each,
+    every call served by a bucket and equal to eager, and inductor's files written in ``cache_directory``."""
     torch.manual_seed(0)
     model = build().eval()
     compiled = torch.compile(
@@ -112,8 +139,8 @@ def _compile_and_serve(build, options, make_inputs, calls, cache_directory):
         for sizes in calls:
             inputs = make_inputs(sizes)
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
-    assert (changes["traces"], changes["compiles"], changes["static_traces"]) == (1, 1, 0), changes
-    assert (changes["replays"], changes["eager_fallbacks"]) == (len(calls), 0), changes
-    runtime = vgraph_compile.runtimes()[-1]
-    assert runtime.hits == len(calls), runtime.stats_table()
+    assert (changes["traces"], changes["compiles"], changes["static_traces"]) == (traces, traces, 0), changes
+    assert (changes["replays"], changes["eager_fallbacks"], changes["buckets_dropped"]) == (len(calls), 0, 0), changes
+    served = vgraph_compile.runtimes()[-traces:]
+    assert sum(runtime.hits for runtime in served) == len(calls), [runtime.stats_table() for runtime in served]
     assert any(path.is_file() for path in cache_directory.rglob("*")), "inductor wrote outside the test's cache"

@@ -35,7 +35,7 @@ class Counters:
     graphs_captured: int = 0
     """CUDA graphs recorded (one per bucket when cudagraphs are on)."""
     buckets_dropped: int = 0
-    """Buckets given up at capture (out of GPU memory)."""
+    """Buckets given up: a guard of the compiled code fails at their sizes, or out of GPU memory at capture."""
     replays: int = 0
     """Calls served by a bucket graph."""
     eager_fallbacks: int = 0

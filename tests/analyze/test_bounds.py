@@ -161,6 +161,29 @@ def test_every_cls_call_within_a_budget_fits_its_bucket(cls_context, lengths):
         assert fits or rows > bucket.budget, f"{lengths} ({rows} rows) does not fit budget {bucket.budget}"
 
 
+def test_a_size_pinned_after_discovery_is_held_in_every_bucket():
+    """Inductor specializes ``cu_seqlens[1:-1]`` of a two-image ClsViT trace (a length-1 slice) by pinning
+    ``cu_seqlens.shape[0] == 3`` in the trace's ShapeEnv while it compiles. The buckets derived afterwards hold
+    that size (==), 2 segments, and patches <= budget - 2 CLS rows; before the pin, 6 segments and <= budget - 1."""
+    from vgraph_compile.models.packed_vit import ClsViT
+
+    model = ClsViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    config = VGraphConfig(token_budgets=(32, 128), max_segments=6, compiler="eager")
+    gm, ctx = trace(model, *pack_images([12, 20], 12), config=config, plain=True)
+    discover.run(gm, ctx)
+    (offsets,) = [s for s in ctx.spec.token_symbols if ctx.spec.describe(s) == "cu_seqlens.shape[0]"]
+    assert bounds.pinned_sizes(ctx) == {}
+    assert [shape.segments for shape in bounds.bucket_shapes(ctx)] == [(6,), (6,)]
+    assert bool(ctx.shape_env.create_symintnode(offsets, hint=3) == 3)  # inductor's 0/1 specialization
+    assert bounds.pinned_sizes(ctx) == {offsets: 3}
+    assert_expected_inline(
+        "\n".join(shape.format(ctx.spec) for shape in bounds.bucket_shapes(ctx)),
+        """\
+budget 32: segments=[2] max_seqlen=[32] (cu_seqlens.shape[0]==3 max_seqlen<=32 patches.shape[0]<=30)
+budget 128: segments=[2] max_seqlen=[128] (cu_seqlens.shape[0]==3 max_seqlen<=128 patches.shape[0]<=126)""",
+    )
+
+
 def test_window_group_is_named_not_guessed_from_the_traced_image():
     """Traced on one image of exactly one window (as many windows as frames), the group of cu_window_seqlens still
     gets the window bound: the config names it; the shape of the traced call does not matter."""
