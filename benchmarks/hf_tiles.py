@@ -26,7 +26,9 @@ from typing import Any, Callable
 
 import torch
 
-from vgraph_compile.bench import matmul_peak_tflops, median_ms, synchronize, write_report
+from vgraph_compile.bench.flops import matmul_peak_tflops
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import median_ms, synchronize
 from vgraph_compile.counters import counters
 from vgraph_compile.hf.tiles import compile_tile_tower
 

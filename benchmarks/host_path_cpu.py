@@ -19,7 +19,7 @@ import time
 import torch
 
 import vgraph_compile
-from vgraph_compile.bench import write_report
+from vgraph_compile.bench.report import write_report
 from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
 from vgraph_compile.models.packed_vit import WindowedViT
 

@@ -53,7 +53,8 @@ def one_start(tower_kind: str, resize: dict) -> dict:
     import vgraph_compile.compile.buckets as buckets
     import vgraph_compile.compile.build as build
     import vgraph_compile.compile_backend as compile_backend
-    from vgraph_compile.bench import CASES_PX, host_ms_per_call, to_grid
+    from vgraph_compile.bench.timing import host_ms_per_call
+    from vgraph_compile.bench.workload import CASES_PX, to_grid
     from vgraph_compile.counters import counters
     from vgraph_compile.hf import compile_vision_tower
     from vgraph_compile.models.qwen_towers import qwen_tower
