@@ -90,7 +90,7 @@ def run_tower(name: str, args, device: str, dtype: torch.dtype, peak: float | No
     reference.load_state_dict(tower.state_dict())
     config = tower.config
     size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
-    inputs = {n: torch.randn(n, 3, size, size, device=device, generator=None) for n in TILES}
+    inputs = {n: torch.randn(n, 3, size, size, device=device, dtype=dtype) for n in TILES}
     with torch.inference_mode():
         expected = {n: reference(inputs[n].float()).last_hidden_state for n in TILES}
     flops = tile_flops(tower)
@@ -102,11 +102,12 @@ def run_tower(name: str, args, device: str, dtype: torch.dtype, peak: float | No
             call = call_for(n)
             with torch.inference_mode():
                 output, first_s = _timed_first_call(call, device)
+                error = relative_error(output.last_hidden_state, expected[n])  # before a replay overwrites it
                 ms = median_ms(call, repeats=args.repeats, warmup=2, device=device)
             rows[str(n)] = {
                 "median_ms": round(ms, 3),
                 "first_call_s": round(first.get(n, first_s), 2),
-                "rel_err_vs_fp32": round(relative_error(output.last_hidden_state, expected[n]), 5),
+                "rel_err_vs_fp32": round(error, 5),
                 **({"mfu": round(flops * n / (ms * 1e-3) / (peak * 1e12), 3)} if peak else {}),
             }
             print(f"{name} {system} N={n}: {rows[str(n)]}", flush=True)
