@@ -1,0 +1,122 @@
+"""The transformers families whose vision tower takes its grid metadata from ``transformers.vision_utils``, found
+by reading the installed transformers (no list of names), and their towers built from each family's own config
+class, at released sizes or shrunk for tests (random weights: nothing is downloaded).
+
+A family's tower is the outermost ``PreTrainedModel`` subclass of its modeling module that declares a vision
+config class (``config: XVisionConfig``); the tower is built from that config class.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import pathlib
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Family", "vision_utils_families", "family", "build_tower", "TINY_SIZES"]
+
+TINY_SIZES = dict(
+    depth=2,
+    num_hidden_layers=2,
+    num_layers=2,
+    hidden_size=32,
+    embed_dim=32,
+    width=32,
+    num_heads=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    out_hidden_size=48,
+    num_position_embeddings=64,
+    fullatt_block_indexes=[1],
+    deepstack_visual_indexes=[0],
+)
+"""Config fields that size a tower, shrunk: a field is set only where the family's config has it (2 blocks,
+width 32, 2 heads, merger output 48, a 8 x 8 position table)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family: its transformers model type, tower class and the tower's config class."""
+
+    name: str
+    tower_class: type
+    config_class: type
+
+
+def _modeling_modules() -> list[str]:
+    import transformers
+
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    found = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        if re.search(r"^from \.\.\.vision_utils import|^from transformers\.vision_utils", path.read_text(), re.M):
+            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return found
+
+
+def _tower_of(module) -> tuple[type, type] | None:
+    """The last-defined model class of ``module`` declaring a vision config (a tower wrapping another comes after
+    it: ``PaddleOCRVisionModel`` holds a ``PaddleOCRVisionTransformer``)."""
+    from transformers import PreTrainedModel
+
+    found = []
+    for value in vars(module).values():
+        if not (inspect.isclass(value) and issubclass(value, PreTrainedModel) and value.__module__ == module.__name__):
+            continue
+        config_class = next(
+            (inspect.get_annotations(base)["config"] for base in value.__mro__ if "config" in inspect.get_annotations(base)),
+            None,
+        )
+        if inspect.isclass(config_class) and "Vision" in config_class.__name__ and "forward" in value.__dict__:
+            found.append((inspect.getsourcelines(value)[1], value, config_class))
+    return max(found, key=lambda entry: entry[0])[1:] if found else None
+
+
+@functools.cache
+def vision_utils_families() -> dict[str, Family]:
+    """Every family of the installed transformers whose modeling module imports ``transformers.vision_utils``,
+    by model type (``glm4v``); a family with no tower class found (the import serves another part) is left out."""
+    families = {}
+    for module_name in _modeling_modules():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a family needing an optional package
+            continue
+        found = _tower_of(module)
+        if found is not None:
+            name = module_name.split(".")[2]
+            families[name] = Family(name, *found)
+    return families
+
+
+def family(name: str) -> Family:
+    families = vision_utils_families()
+    if name not in families:
+        raise ValueError(f"no vision_utils family {name!r} in the installed transformers: one of {sorted(families)}")
+    return families[name]
+
+
+def build_tower(
+    name: str,
+    tiny: bool = False,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    attention: str = "sdpa",
+    **fields,
+) -> torch.nn.Module:
+    """The family's tower with random weights, in eval mode: the config class's defaults (the released sizes),
+    ``TINY_SIZES`` over them with ``tiny``, then ``fields``."""
+    spec = family(name)
+    defaults = spec.config_class().to_dict()
+    sizes = {key: value for key, value in TINY_SIZES.items() if key in defaults} if tiny else {}
+    torch.manual_seed(seed)
+    config = spec.config_class(**{**sizes, **fields})
+    tower = spec.tower_class._from_config(config, attn_implementation=attention)
+    return tower.to(device, dtype).eval()
