@@ -43,8 +43,8 @@ import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.vision_tower import _TowerCall, compile_vision_tower
-from vgraph_compile.hf.tower_kinds import Grid, hidden_width, kind_of
+from vgraph_compile.hf.packed_tower import learn_packed_tower
+from vgraph_compile.hf.vision_tower import Grid, _TowerCall, compile_vision_tower
 from vgraph_compile.serve.runtime import padded_fraction
 
 __all__ = [
@@ -221,7 +221,7 @@ def matmul_peak_tflops() -> float:
 def tower_flops(tower, grid) -> float:
     """Matmul and attention FLOPs of one forward (the merger and patch embedding included)."""
     config = tower.config
-    width = hidden_width(config)
+    width = getattr(config, "embed_dim", None) or config.hidden_size  # Qwen2-VL's hidden_size is the merger's
     mlp = getattr(config, "intermediate_size", None) or width * getattr(config, "mlp_ratio", 4)
     gated = type(tower).__name__.startswith("Qwen2_5")
     tokens = sum(t * h * w for t, h, w in grid)
@@ -249,12 +249,13 @@ class HostMetadata:
     kept, as the vgraph tower does: a system given these does the same host-side metadata work per call."""
 
     def __init__(self, tower: torch.nn.Module, device: torch.device | str) -> None:
-        self.tower, self.kind, self.device = tower, kind_of(tower), torch.device(device)
+        self.tower, self.interface, self.device = tower, learn_packed_tower(tower), torch.device(device)
         self.cache: dict[Grid, dict[str, Any]] = {}
 
     def __call__(self, grid: Grid) -> dict[str, Any]:
         if grid not in self.cache:
-            host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
+            with routed_attention(self.tower):
+                host = self.interface.metadata.compute(torch.tensor(grid, dtype=torch.int64))
             self.cache[grid] = {
                 name: value.to(self.device) if isinstance(value, torch.Tensor) else value
                 for name, value in host.items()
@@ -265,7 +266,7 @@ class HostMetadata:
 def routed_compile(tower: torch.nn.Module, metadata: HostMetadata, backend: str = "inductor") -> Callable:
     """``torch.compile(dynamic=True)`` of the tower with vgraph's attention routing and host-side metadata:
     ``(pixel_values, grid_thw) -> (pooler_output, last_hidden_state, *deepstack)``."""
-    compiled = torch.compile(_TowerCall(tower), dynamic=True, backend=backend)
+    compiled = torch.compile(_TowerCall(tower, metadata.interface), dynamic=True, backend=backend)
 
     def call(pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         with routed_attention(tower):
@@ -288,7 +289,7 @@ class ExactShape:
             name: value.clone() if isinstance(value, torch.Tensor) else value
             for name, value in {"pixel_values": pixel_values, **metadata(grid)}.items()
         }
-        self.compiled = torch.compile(_TowerCall(tower), dynamic=False, backend=backend)
+        self.compiled = torch.compile(_TowerCall(tower, metadata.interface), dynamic=False, backend=backend)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = self._run()
         if pixel_values.is_cuda:
