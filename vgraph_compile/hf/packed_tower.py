@@ -165,7 +165,10 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     with torch.no_grad(), routed_attention(tower):
         shape, plan, first_output = _record(tower, first)
         pixel_values, grid_thw = _inputs(tower, shape, second)
-        expected = tower(pixel_values, **{name: grid_thw})
+        try:
+            expected = tower(pixel_values, **{name: grid_thw})
+        except Exception as error:
+            raise _refuse(tower, f"the stock tower fails on the grid {second}: {type(error).__name__}: {error}") from error
         metadata = plan.compute(grid_thw)
         first_metadata = plan.compute(torch.tensor(first))
         try:
