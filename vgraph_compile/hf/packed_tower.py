@@ -200,6 +200,7 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
         width = tuple((value[0] if count else value).shape[1:])
         outputs.append(OutputField(field_name, count, ratio, width))
     windowed = _WINDOW_KEY in plan.keys
+    outputs.sort(key=lambda field: field.name != "pooler_output")  # flat outputs: the features a VLM reads first
     return PackedTower(name, _geometry(tower, windowed), shape, plan, relations, type(expected), tuple(outputs))
 
 
