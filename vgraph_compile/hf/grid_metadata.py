@@ -27,7 +27,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["MetadataCall", "MetadataPlan", "record_metadata"]
+__all__ = ["MetadataCall", "MetadataPlan", "TowerRefused", "record_metadata"]
+
+
+class TowerRefused(ValueError):
+    """vgraph cannot serve this tower; the message names the reason (a ValueError, unlike the tower's own errors
+    while it is probed, which may be any exception)."""
 
 _HOST_READS = {
     torch.Tensor.tolist,
@@ -251,7 +256,7 @@ def record_metadata(
         output = tower(pixel_values, **{grid_argument: grid_thw})
     name = type(tower).__name__
     if recorder.refusals:
-        raise ValueError(f"{name} cannot be served by vgraph: it {'; it '.join(dict.fromkeys(recorder.refusals))}")
+        raise TowerRefused(f"{name} cannot be served by vgraph: it {'; it '.join(dict.fromkeys(recorder.refusals))}")
     if not recorder.calls:
-        raise ValueError(f"{name} computes no grid metadata through transformers.vision_utils: not a packed tower")
+        raise TowerRefused(f"{name} computes no grid metadata through transformers.vision_utils: not a packed tower")
     return MetadataPlan(grid_argument, tuple(recorder.calls)), output

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
+import types
 from typing import Any
 
 import torch
@@ -19,7 +21,13 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.packed_tower import PackedTower, grid_argument, learn_packed_tower, rows_per_unit
+from vgraph_compile.hf.packed_tower import (
+    PackedTower,
+    grid_argument,
+    learn_packed_tower,
+    metadata_leaves,
+    rows_per_unit,
+)
 from vgraph_compile.hf.packing import Batch, pack
 
 __all__ = ["CompiledVisionTower", "compile_vision_tower", "is_packed_tower"]
@@ -44,6 +52,9 @@ class _TowerCall(torch.nn.Module):
 
     The ``torch._check`` calls state what holds by construction (one position id per patch, one window-index entry
     per merged token: the learned ``metadata_patches_per_row``), so the trace gives those lengths one symbol.
+
+    Each instance's ``forward`` has its own code object: dynamo keeps traces, and counts its recompile limit, per
+    code object, so towers compiled in one process never share (and exhaust) one forward's trace cache.
     """
 
     def __init__(self, tower: torch.nn.Module, interface: PackedTower) -> None:
@@ -52,11 +63,15 @@ class _TowerCall(torch.nn.Module):
         self.grid_argument = interface.grid_argument
         self.relations = interface.metadata_patches_per_row
         self.fields = [field.name for field in interface.outputs]
+        shared = type(self).forward
+        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
+        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
 
     def forward(self, pixel_values, **metadata):
         patches = pixel_values.shape[0]
-        for key, per_row in self.relations.items():
-            torch._check(metadata[key].shape[0] * per_row == patches)
+        for (key, part), per_row in self.relations.items():
+            value = metadata_leaves(metadata[key])[part]
+            torch._check((value.shape[0] if isinstance(value, torch.Tensor) else value) * per_row == patches)
         out = self.tower(pixel_values, **{self.grid_argument: None}, **metadata)
         flat = []
         for name in self.fields:
@@ -164,6 +179,14 @@ class CompiledVisionTower(torch.nn.Module):
                     f"grid_thw[{index}] = {(t, h, w)}: t, h, w must be positive and h, w multiples of the spatial "
                     f"merge size {merge} (the image processor resizes images to that)"
                 )
+        video_failure = self.interface.video_failure
+        videos = [index for index, (t, _, _) in enumerate(grid) if t > 1]
+        if videos and video_failure:
+            raise ValueError(
+                f"grid_thw[{videos[0]}] = {grid[videos[0]]} has {grid[videos[0]][0]} frames, but "
+                f"{type(self.tower).__name__} serves images only (t = 1): {video_failure}. Pass videos one frame per "
+                "row, as its model's get_video_features does"
+            )
         shape = self.interface.pixel_shape
         if tuple(pixel_values.shape[1:]) != shape:
             raise ValueError(

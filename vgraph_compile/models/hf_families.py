@@ -102,6 +102,26 @@ def family(name: str) -> Family:
     return families[name]
 
 
+def _tied_fields(defaults: dict, sizes: dict) -> dict:
+    """The default fields tied to a shrunk size, shrunk with it: a width equal to the hidden size
+    (``adapter_in_dim``), a per-layer list (``mlp_layer_types``) or a dict keyed by layer index
+    (``per_layer_config``), cut to the shrunk layer count. A config's validation checks such ties."""
+    layer_fields = [key for key in ("depth", "num_hidden_layers", "num_layers") if key in sizes]
+    layers = sizes[layer_fields[0]] if layer_fields else None
+    default_layers = defaults[layer_fields[0]] if layer_fields else None
+    tied = {}
+    for key, value in defaults.items():
+        if key in sizes:
+            continue
+        if "hidden_size" in sizes and type(value) is int and value == defaults["hidden_size"]:
+            tied[key] = sizes["hidden_size"]
+        elif layers is not None and isinstance(value, list) and len(value) == default_layers:
+            tied[key] = value[:layers]
+        elif layers is not None and isinstance(value, dict) and value and all(str(i).isdigit() for i in value):
+            tied[key] = {index: entry for index, entry in value.items() if int(index) < layers}
+    return tied
+
+
 def build_tower(
     name: str,
     tiny: bool = False,
@@ -116,6 +136,8 @@ def build_tower(
     spec = family(name)
     defaults = spec.config_class().to_dict()
     sizes = {key: value for key, value in TINY_SIZES.items() if key in defaults} if tiny else {}
+    if tiny:
+        sizes.update(_tied_fields(defaults, sizes))
     torch.manual_seed(seed)
     config = spec.config_class(**{**sizes, **fields})
     tower = spec.tower_class._from_config(config, attn_implementation=attention)
