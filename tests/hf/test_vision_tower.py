@@ -147,3 +147,21 @@ def test_a_nonfinite_pixel_stays_in_its_image(towers, compiled, name, poison):
     assert not out[:first].isfinite().all()  # the poison did reach its own image
     assert out[first:].isfinite().all()
     torch.testing.assert_close(out[first:], clean[first:], rtol=1e-6, atol=1e-6)
+
+
+def test_many_towers_in_one_process_each_served_by_its_own_trace(towers):
+    """Nine towers compiled in one process, past dynamo's per-code recompile limit (8) at its default: each traces
+    its own forward, so every one is served by graph replays, none falls back to eager."""
+    assert torch._dynamo.config.recompile_limit <= 8
+    tower = towers["qwen2-vl"]
+    pixel_values, grid_thw = _inputs(tower, [(1, 4, 8)])
+    with torch.no_grad():
+        ref = tower(pixel_values, grid_thw)
+    for _ in range(9):
+        served = compile_vision_tower(tower, token_budgets=[64], max_items=1, compiler="eager", attention_backend="sdpa")
+        before = counters.snapshot()
+        with torch.no_grad():
+            out = served(pixel_values, grid_thw)
+        after = counters.snapshot()
+        assert after["replays"] > before["replays"] and after["eager_fallbacks"] == before["eager_fallbacks"]
+        _assert_same(out, ref)
