@@ -3,18 +3,25 @@
 Each kernel runs through ``vgraph::varlen_attention`` (so the op's zeroing of padding rows is included), 16 heads,
 bf16, head_dim 80 and 72. After three warm-up calls (JIT and cuDNN plans) the call is captured in one CUDA graph
 and the replay is timed (CUDA events, median); kernels named in ``--plain`` are timed as plain launches instead,
-and each row says which. Shapes: one 1344^2 image (1x9216 patches), 4x336^2 (4x2304), 16 small segments (16x256),
+and each row says which. Kernels that read across segment edges (``sdpa``, ``flex``, ``fa4``) run confined, as
+kept; their row also gives the kernel alone (``bare_*``: the module's ``unconfined`` plus the op's zeroing of
+padding rows, which lets a NaN through) and the confinement's share of the kernel's time. Each case also times the
+confinement alone (confine k/v + mark the output) as Triton kernels and as the torch reference. At head_dim 72,
+``fa4`` is also run on q/k/v zero-padded to 80 and 96 (``fa4 padded to N``: the padding copies included).
+Shapes: one 1344^2 image (1x9216 patches), one 1792^2 image (1x12544), 4x336^2 (4x2304), 16 small segments (16x256),
 Qwen2.5-VL's window attention (window_size 112 px / patch 14 = 8x8 patches = 64 rows per full window) for
 1344^2 (144x64), 4x336^2 (36x64) and 280^2 (edge windows of 32 and 16 rows), and an 8192-row bucket holding
 four images and 12 empty segments (``max_seqlen`` = the bucket). ``sdpa_dense_cudnn`` is the reference the
 stock towers get: SDPA forced to cuDNN on a dense batch of equal-length segments (equal-length shapes only).
 
-    python benchmarks/attention_kernels.py [--kernels cudnn torch_varlen ...] [--json PATH] [--plot PATH]
+    python benchmarks/attention_kernels.py [--kernels cudnn torch_varlen ...] [--cases 1x9216 ...]
+        [--head-dims 80 72] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import traceback
 from datetime import date
@@ -23,14 +30,25 @@ import torch
 import torch.nn.functional as F
 
 from vgraph_compile.kernels import registry
-from vgraph_compile.bench import median_ms, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
+from vgraph_compile.kernels.segments import (
+    confine_nonfinite,
+    confine_nonfinite_reference,
+    cu_seqlens,
+    mark_poisoned,
+    mark_poisoned_reference,
+)
 
 HEADS = 16
 HEAD_DIMS = (80, 72)
 WINDOW = 112 // 14
 """Qwen2.5-VL window side in patches (window_size 112 px, patch 14)."""
 DENSE = "sdpa_dense_cudnn"
+CONFINEMENT = "confinement"
+FA4_PADDED = (80, 96)
+"""Head dims ``fa4`` is also run at, zero-padded, for head_dim 72."""
 
 
 def window_lengths(height_px: int, width_px: int, images: int = 1) -> list[int]:
@@ -41,6 +59,7 @@ def window_lengths(height_px: int, width_px: int, images: int = 1) -> list[int]:
 
 CASES: dict[str, tuple[list[int], int, int]] = {
     "1x9216": ([9216], 9216, 1),
+    "1x12544": ([12544], 12544, 1),
     "4x2304": ([2304] * 4, 9216, 4),
     "16x256": ([256] * 16, 4096, 16),
     "win 144x64 (1344^2)": (window_lengths(1344, 1344), 9216, 144),
@@ -57,7 +76,7 @@ def attention_flops(lengths: list[int], head_dim: int) -> float:
 
 
 def _inputs(lengths, rows, slots, head_dim):
-    bounds = torch.tensor([0, *lengths] + [0] * (slots - len(lengths)), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bounds = cu_seqlens([*lengths] + [0] * (slots - len(lengths)))
     q, k, v = (torch.randn(rows, HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
     max_seqlen = max(lengths) if rows == sum(lengths) else rows
     return q, k, v, bounds.cuda(), max_seqlen
@@ -75,36 +94,88 @@ def _call(name: str):
     return packed
 
 
-def _relative_error(out, q, k, v, cu, max_seqlen, end):
-    ref = varlen_attention(q.float(), k.float(), v.float(), cu, max_seqlen, backend="sdpa")
-    return ((out[:end].float() - ref[:end]).norm() / ref[:end].norm()).item()
+def _bare_call(name: str):
+    """The kernel without its confinement (the module's ``unconfined``), rows past the last offset zeroed as the op
+    does; None for kernels that need none."""
+    module = importlib.import_module(f"vgraph_compile.kernels.{registry.BACKENDS[name].module}")
+    unconfined = getattr(module, "unconfined", None)
+    if unconfined is None:
+        return None
+
+    def bare(q, k, v, cu, m):
+        out = unconfined(q, k, v, cu, m, None).contiguous()
+        rows = torch.arange(q.shape[0], device=q.device, dtype=cu.dtype)
+        return out.masked_fill_((rows >= cu[-1])[:, None, None], 0)
+
+    return bare
 
 
-def measure(call, lengths, rows, slots, head_dim, repeats, capture=True) -> dict:
-    """Error against fp32, isolation of NaN padding rows, and the median time of a graph replay (or launch)."""
-    q, k, v, cu, max_seqlen = _inputs(lengths, rows, slots, head_dim)
-    end = sum(lengths)
+def _padded_call(name: str, width: int):
+    """``name`` on q/k/v zero-padded to ``width`` (the original head_dim's scale), the output sliced back."""
+
+    def padded(q, k, v, cu, m):
+        head_dim = q.shape[-1]
+        wide = [F.pad(t, (0, width - head_dim)) for t in (q, k, v)]
+        return varlen_attention(*wide, cu, m, head_dim**-0.5, backend=name)[..., :head_dim]
+
+    return padded
+
+
+def _inputs(lengths, rows, slots, head_dim):
+    bounds = torch.tensor([0, *lengths] + [0] * (slots - len(lengths)), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q, k, v = (torch.randn(rows, HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
+    max_seqlen = max(lengths) if rows == sum(lengths) else rows
+    return q, k, v, bounds.cuda(), max_seqlen
+
+
+def _timed(fn, repeats: int, capture: bool) -> tuple[float, str]:
+    """Median ms of ``fn`` as a CUDA graph replay (or a plain launch), after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    if not capture:
+        return median_ms(fn, repeats=repeats), "plain_launch"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, repeats=repeats), "cuda_graph_replay"
+
+
+def measure(call, inputs, reference, lengths, repeats, capture=True) -> dict:
+    """Error against the fp32 ``reference``, isolation of NaN padding rows, and the median time of a graph replay
+    (or launch)."""
+    q, k, v, cu, max_seqlen = inputs
+    end, rows = sum(lengths), q.shape[0]
     out = call(q, k, v, cu, max_seqlen)
     row = {
-        "rel_err_vs_fp32": round(_relative_error(out, q, k, v, cu, max_seqlen, end), 5),
+        "rel_err_vs_fp32": round(((out[:end].float() - reference).norm() / reference.norm()).item(), 5),
         "padding_rows_zero": bool(torch.equal(out[end:], torch.zeros_like(out[end:]))),
         "finite": bool(out.isfinite().all()),
     }
     if rows > end:
         poisoned = [t.clone().index_fill_(0, torch.arange(end, rows, device="cuda"), float("nan")) for t in (q, k, v)]
         row["nan_padding_isolated"] = bool(call(*poisoned, cu, max_seqlen)[:end].isfinite().all())
-    for _ in range(3):
-        call(q, k, v, cu, max_seqlen)
-    if capture:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call(q, k, v, cu, max_seqlen)
-        row["ms"], row["mode"] = median_ms(graph.replay, repeats=repeats), "cuda_graph_replay"
-    else:
-        row["ms"], row["mode"] = median_ms(lambda: call(q, k, v, cu, max_seqlen), repeats=repeats), "plain_launch"
-    row["tflops"] = round(attention_flops(lengths, head_dim) / row["ms"] / 1e9, 1)
-    row["ms"] = round(row["ms"], 4)
+    ms, row["mode"] = _timed(lambda: call(q, k, v, cu, max_seqlen), repeats, capture)
+    row["tflops"] = round(attention_flops(lengths, q.shape[-1]) / ms / 1e9, 1)
+    row["ms"] = round(ms, 4)
     return row
+
+
+def measure_confinement(inputs, repeats) -> dict:
+    """The confinement alone on clean k/v: confine + mark (into a kept output buffer), Triton and torch."""
+    q, k, v, cu, _ = inputs
+    out = torch.empty_like(q)
+
+    def fused():
+        _, _, poisoned = confine_nonfinite(k, v, cu)
+        mark_poisoned(out, cu, poisoned)
+
+    def reference():
+        _, _, poisoned = confine_nonfinite_reference(k, v, cu)
+        mark_poisoned_reference(out, cu, poisoned)
+
+    fused_ms, _ = _timed(fused, repeats, True)
+    reference_ms, _ = _timed(reference, repeats, True)
+    return {"triton_ms": round(fused_ms, 4), "torch_ms": round(reference_ms, 4), "mode": "cuda_graph_replay"}
 
 
 def measure_dense(lengths, head_dim, repeats) -> dict | None:
@@ -125,19 +196,37 @@ def measure_dense(lengths, head_dim, repeats) -> dict | None:
 
 def available(device: torch.device) -> list[str]:
     """Backends that resolve on this device for bf16 (the CPU offset reference excluded)."""
-    names = []
-    for name in registry.BACKENDS:
-        if name == "packed_reference":
-            continue
-        try:
-            registry.resolve(name, device, torch.bfloat16)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
+    return [
+        name
+        for name, backend in registry.BACKENDS.items()
+        if name != "packed_reference" and backend.available(device, torch.bfloat16)
+    ]
 
 
-def run(kernels: list[str], repeats: int, plain: set[str], json_path: str | None) -> dict:
+def _guarded(measure_one) -> dict:
+    try:
+        return measure_one()
+    except Exception as error:  # noqa: BLE001  (a kernel that fails on a shape is reported, not fatal)
+        torch.cuda.synchronize()
+        return {"error": traceback.format_exception_only(error)[-1].strip()[:300]}
+
+
+def measure_kernel(name, inputs, reference, lengths, repeats, capture) -> dict:
+    """``name`` as kept; for a confining kernel also the bare kernel and the confinement's share of its time."""
+    row = _guarded(lambda: measure(_call(name), inputs, reference, lengths, repeats, capture))
+    bare = _bare_call(name)
+    if bare is None or "error" in row:
+        return row
+    alone = _guarded(lambda: measure(bare, inputs, reference, lengths, repeats, capture))
+    for field in ("ms", "tflops", "nan_padding_isolated", "error"):
+        if field in alone:
+            row[f"bare_{field}"] = alone[field]
+    if "ms" in alone:
+        row["confinement_share_of_bare"] = round(row["ms"] / alone["ms"] - 1, 4)
+    return row
+
+
+def run(kernels: list[str], cases: list[str], head_dims: list[int], repeats: int, plain: set[str], json_path) -> dict:
     """Every case for every kernel; ``plain`` kernels are timed as plain launches (a failed capture leaves the
     process's CUDA generator unusable, so it is not tried). The JSON is rewritten after each case."""
     report = {
@@ -150,30 +239,38 @@ def run(kernels: list[str], repeats: int, plain: set[str], json_path: str | None
         "dtype": "bfloat16",
         "cases": {},
     }
-    for head_dim in HEAD_DIMS:
-        for case, (lengths, rows, slots) in CASES.items():
+    for head_dim in head_dims:
+        for case in cases:
+            lengths, rows, slots = CASES[case]
             key = f"d{head_dim} {case}"
             results = report["cases"][key] = {}
+            inputs = _inputs(lengths, rows, slots, head_dim)
+            q, k, v, cu, max_seqlen = inputs
+            reference = varlen_attention(q.float(), k.float(), v.float(), cu, max_seqlen, backend="sdpa")[: sum(lengths)]
+            results[CONFINEMENT] = _guarded(lambda: measure_confinement(inputs, repeats))
             for name in kernels:
-                try:
-                    results[name] = measure(
-                        _call(name), lengths, rows, slots, head_dim, repeats, capture=name not in plain
-                    )
-                except Exception as error:  # noqa: BLE001  (a kernel that fails on a shape is reported, not fatal)
-                    results[name] = {"error": traceback.format_exception_only(error)[-1].strip()[:300]}
-                    torch.cuda.synchronize()
+                results[name] = measure_kernel(name, inputs, reference, lengths, repeats, name not in plain)
+                if name == "fa4" and head_dim == 72:
+                    for width in FA4_PADDED:
+                        results[f"fa4 padded to {width}"] = _guarded(
+                            lambda: measure(_padded_call(name, width), inputs, reference, lengths, repeats)
+                        )
+            del reference
             dense = measure_dense(lengths, head_dim, repeats)
             if dense is not None:
                 results[DENSE] = dense
-            print(key, {name: row.get("ms", row.get("error")) for name, row in results.items()}, flush=True)
+            print(key, {name: row.get("ms", row.get("triton_ms", row.get("error"))) for name, row in results.items()})
             write_report(report, json_path)
     return report
 
 
 def table(report: dict) -> str:
     kernels = sorted({name for row in report["cases"].values() for name in row}, key=str)
-    lines = [f"{report['device']}, torch {report['torch']}, cuDNN {report['cudnn']}; {report['timing']}"]
-    lines.append(f"{'case':>36} " + " ".join(f"{name[:16]:>22}" for name in kernels))
+    lines = [
+        f"{report['device']}, torch {report['torch']}, cuDNN {report['cudnn']}; {report['timing']}; "
+        f"confining kernels: confined (bare) ms; {CONFINEMENT}: Triton / torch ms"
+    ]
+    lines.append(f"{'case':>36} " + " ".join(f"{name[:22]:>30}" for name in kernels))
     for case, row in report["cases"].items():
         cells = []
         for name in kernels:
@@ -182,9 +279,13 @@ def table(report: dict) -> str:
                 cells.append("-")
             elif "error" in result:
                 cells.append("error")
+            elif name == CONFINEMENT:
+                cells.append(f"{result['triton_ms']:.4f} / {result['torch_ms']:.3f} ms")
+            elif "bare_ms" in result:
+                cells.append(f"{result['ms']:.3f} ({result['bare_ms']:.3f}) ms {result['tflops']:.0f} TF")
             else:
                 cells.append(f"{result['ms']:.3f} ms {result['tflops']:.0f} TF")
-        lines.append(f"{case:>36} " + " ".join(f"{cell:>22}" for cell in cells))
+        lines.append(f"{case:>36} " + " ".join(f"{cell:>30}" for cell in cells))
     errors = [
         result["rel_err_vs_fp32"]
         for row in report["cases"].values()
@@ -228,12 +329,15 @@ def plot(report: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", help="backends to time (default: every one that runs here)")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--plain", nargs="*", default=[], help="kernels to time as plain launches, not captured")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
-    report = run(args.kernels or available(torch.device("cuda")), args.repeats, set(args.plain), args.json)
+    kernels = args.kernels or available(torch.device("cuda"))
+    report = run(kernels, args.cases, args.head_dims, args.repeats, set(args.plain), args.json)
     print(table(report))
     if args.plot:
         plot(report, args.plot)

@@ -2,8 +2,8 @@
 
 Every rank holds the whole tower (released size, random weights, bf16; nothing is downloaded) and is called with
 the same requests; with N > 1 ranks each encodes its share and all-gathers the rest. Workload: ``vgraph-bench``'s
-seeded trace (1-4 images of 224-1344 px, one request in six with a video), run back to back for throughput, then
-requests of exactly 4 images (the same trace generator, filtered) timed one by one for p50/p99 latency (a
+seeded random requests (1-4 images of 224-1344 px, one request in six with a video), run back to back for throughput, then
+requests of exactly 4 images (the same generator, filtered) timed one by one for p50/p99 latency (a
 request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
 (``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
 
@@ -27,7 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vgraph_compile.bench import Result, synchronize, to_grid, trace, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.result import Result
+from vgraph_compile.bench.timing import synchronize
+from vgraph_compile.bench.workload import random_requests, to_grid
 from vgraph_compile.hf import compile_vision_tower
 
 TINY_TOWER = dict(
@@ -36,11 +39,11 @@ TINY_TOWER = dict(
 """The toy Qwen2.5-VL tower of the tests (2 blocks of width 32)."""
 TINY_OPTIONS = dict(token_budgets=[256, 1280], max_items=4, compiler="eager", attention_backend="sdpa")
 TINY_SCALE = 4
-"""--tiny divides the trace's pixel sizes by this (56-336 px), so the CPU's dense attention masks stay small."""
+"""--tiny divides the requests' pixel sizes by this (56-336 px), so the CPU's dense attention masks stay small."""
 
 
 def workload(args, config) -> tuple[list[list[tuple[int, int, int]]], list[list[tuple[int, int, int]]]]:
-    """(trace requests, 4-image requests) as grids of (t, h, w) patches of the tower ``config``; the same on
+    """(random requests, 4-image requests) as grids of (t, h, w) patches of the tower ``config``; the same on
     every rank."""
     scale = TINY_SCALE if args.tiny else 1
 
@@ -48,8 +51,8 @@ def workload(args, config) -> tuple[list[list[tuple[int, int, int]]], list[list[
         scaled = [(t, h // scale, w // scale) for t, h, w in items]
         return to_grid(scaled, config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
 
-    requests = [grid(items) for items in trace(args.seed, args.requests)]
-    four = [grid(items) for items in trace(args.seed + 1, 16 * args.latency_requests) if len(items) == 4]
+    requests = [grid(items) for items in random_requests(args.seed, args.requests)]
+    four = [grid(items) for items in random_requests(args.seed + 1, 16 * args.latency_requests) if len(items) == 4]
     return requests, four[: args.latency_requests]
 
 
@@ -89,7 +92,7 @@ def _slowest(latencies: list[float]) -> list[float]:
 
 
 def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
-    """One rank of one group: warm up, run the trace back to back, time the 4-image requests; rank 0 writes."""
+    """One rank of one group: warm up, run the requests back to back, time the 4-image requests; rank 0 writes."""
     from vgraph_compile.models.qwen_towers import qwen_tower
 
     device, dtype = _join(rank, ranks, directory, args)
@@ -100,7 +103,7 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
         options = TINY_OPTIONS if args.tiny else {}
         compiled = compile_vision_tower(tower, process_group=dist.group.WORLD if ranks > 1 else None, **options)
         requests, four = workload(args, tower.config)
-        width = compiled.patch_width
+        (width,) = compiled.interface.pixel_shape
         with torch.inference_mode():
             compiled.warmup()
             for index, grid in enumerate(requests[:4] + four[:2]):  # first sight of typical shapes
@@ -147,7 +150,7 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
 
 def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
     """One rank of one group serving the whole Qwen2.5-VL-7B, its language model replicated: ``ttft.py``'s
-    request trace through the real image processor, each request's time to first token after a common barrier
+    request list through the real image processor, each request's time to first token after a common barrier
     (the slowest rank's), after one warm-up pass; rank 0 writes."""
     import ttft
 
@@ -160,7 +163,7 @@ def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
         setting = ttft.SETTINGS["tiny" if args.tiny else "real"]
         model = qwen_vlm("qwen2.5-vl", tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
         processor = image_processor(model.config, max_patches=setting["max_patches"])
-        requests = ttft.trace(args.seed, args.vlm_requests, setting["sides"], setting["video"])
+        requests = ttft.random_requests(args.seed, args.vlm_requests, setting["sides"], setting["video"])
         batches = [model_inputs(model, [request], processor, device) for request in requests]
         compile_vlm(model, process_group=dist.group.WORLD if ranks > 1 else None, **setting["options"])
         with torch.inference_mode():
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="group sizes to run, one after another")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda: NCCL; cpu: gloo")
     parser.add_argument("--tiny", action="store_true", help="the toy tower, smaller images (for the CPU)")
-    parser.add_argument("--requests", type=int, default=64, help="trace requests run back to back")
+    parser.add_argument("--requests", type=int, default=64, help="random requests run back to back")
     parser.add_argument("--latency-requests", type=int, default=64, help="4-image requests timed one by one")
     parser.add_argument("--vlm-requests", type=int, default=0, help="also the whole VLM's TTFT, on this many requests")
     parser.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,7 @@ import random
 import torch
 
 import vgraph_compile
-from vgraph_compile.bench import median_ms
+from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 

@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from vgraph_compile.bench import CASES_PX, cuda_graph_captures, median_ms, to_grid, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import cuda_graph_captures, median_ms
+from vgraph_compile.bench.workload import CASES_PX, to_grid
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.models.qwen_towers import qwen_tower
 
@@ -54,9 +56,9 @@ def main() -> None:
     bf16 = qwen_tower(args.tower, dtype=torch.bfloat16)
     bf16.load_state_dict(fp32.state_dict())
     patch = fp32.config.patch_size
-    width = fp32.config.in_channels * fp32.config.temporal_patch_size * patch * patch
     start = time.perf_counter()
     tower = compile_vision_tower(bf16, max_items=8, max_frames=16, **budgets)
+    (width,) = tower.interface.pixel_shape
     with torch.inference_mode():
         tower.warmup()
     torch.cuda.synchronize()

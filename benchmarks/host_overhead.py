@@ -16,7 +16,8 @@ import json
 import torch
 
 import vgraph_compile
-from vgraph_compile.bench import host_ms_per_call, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.timing import host_ms_per_call
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 

@@ -1,11 +1,11 @@
-"""Time to first token of a whole Qwen VLM, stock transformers vs ``compile_vlm``, on a seeded trace of requests.
+"""Time to first token of a whole Qwen VLM, stock transformers vs ``compile_vlm``, on seeded random requests.
 
 Models: Qwen2.5-VL-7B or Qwen3-VL-8B at their released sizes (random weights, bf16, sdpa for the language model;
 no download). Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a
 video clip, and 20-300 text tokens, made into model inputs by transformers' image processor
 (``vgraph_compile.models.qwen_vlms``). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
 tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. Each system
-warms up over the trace; then every request is measured under both, their order alternating per request, and the
+warms up over the requests; then every request is measured under both, their order alternating per request, and the
 last-position logits of the first requests are compared with a float32 copy of the stock model.
 
     python benchmarks/ttft.py --model qwen2.5-vl --json benchmarks/results/ttft_qwen2.5-vl_h200.json --plot ttft.png
@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from vgraph_compile.bench import Result, synchronize, write_report
+from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.result import Result
+from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.hf import compile_vlm
 from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
 
@@ -46,7 +48,7 @@ SETTINGS = {
 }
 
 
-def trace(seed: int, requests: int, sides: tuple[int, int], video: dict) -> list[Request]:
+def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dict) -> list[Request]:
     """Seeded requests: 1-4 photos (each resized to sides in ``sides``), a video clip in one request of four,
     20-300 text tokens split around the items."""
     rng = random.Random(seed)
@@ -147,7 +149,7 @@ def relative_error(logits: list[torch.Tensor], reference: list[torch.Tensor]) ->
 
 
 def warm_up(model, batches: list[dict], decode_tokens: int, device: torch.device, prepare) -> dict[str, Any]:
-    """``prepare()`` (compile or nothing), then the trace once with one new token and a few requests with
+    """``prepare()`` (compile or nothing), then the requests once with one new token and a few requests with
     ``decode_tokens``: the time to the first token of the first request, and the peak memory of the whole."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -215,7 +217,7 @@ def run(args) -> dict[str, Any]:
     options = setting["options"]
     model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
     processor = image_processor(model.config, max_patches=setting["max_patches"])
-    requests = trace(args.seed, args.requests, setting["sides"], setting["video"])
+    requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
     batches = [model_inputs(model, [request], processor, device) for request in requests]
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -14,7 +14,7 @@ import json
 import torch
 
 import vgraph_compile
-from vgraph_compile.bench import median_ms
+from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
 from vgraph_compile.models.packed_vit import WindowedViT
 

@@ -11,6 +11,7 @@ from torch._guards import detect_fake_mode
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import trace_options
+from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.spec import PassContext
 
 
@@ -78,7 +79,7 @@ def isolation_case(
     generator = torch.Generator().manual_seed(seed)
     rows = sum(lengths) + padding
     clean = [torch.randn(rows, heads, head_dim, generator=generator).to(device, dtype) for _ in range(3)]
-    cu = torch.nn.functional.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu_seqlens(lengths)
     dirty = [t.clone() for t in clean]
     dirty[tensor][int(cu[poisoned]) + row, row % heads, row % head_dim] = value
     return clean, dirty, cu.to(device)

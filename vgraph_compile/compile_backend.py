@@ -23,13 +23,12 @@ from torch._guards import detect_fake_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vgraph_compile.analyze import analyze
-from vgraph_compile.analyze.discover import StaticTokensError
 from vgraph_compile.compile.build import build
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
-from vgraph_compile.spec import PassContext, user_name
+from vgraph_compile.spec import PassContext, StaticTokensError, user_name
 from vgraph_compile.symbolic import evaluate, traced_values
 
 __all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]

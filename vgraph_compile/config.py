@@ -53,9 +53,10 @@ class VGraphConfig:
     """Ratio between generated budgets: the worst-case padding is 1 - 1/growth (1.25: 20%, 2.0: 50%)."""
     max_segments: int | None = None
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
-    attention_backend: AttentionBackendName = "auto"
-    """Kernel behind every varlen-attention site; auto: on CUDA the fastest installed kernel per attention group,
-    timed at warm-up (graphs/kernel_choice.py), else SDPA. flashinfer (cuDNN) and packed_reference (its CPU
+    attention_backend: Literal["auto"] | AttentionBackendName = "auto"
+    """Kernel behind every varlen-attention site. auto: measured, on CUDA the fastest installed kernel per attention
+    group and bucket shape, timed at the build (compile/kernel_timing.py); where nothing is timed (CPU) the
+    ops' fixed ``"default"`` rule. flashinfer (cuDNN) and packed_reference (its CPU
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
@@ -130,10 +131,10 @@ class VGraphConfig:
             )
         object.__setattr__(self, "segments", segments)
 
-        if self.attention_backend not in ("auto", *BACKENDS):
+        if self.attention_backend not in ("auto", "default", *BACKENDS):
             raise ValueError(
                 f"VGraphConfig.attention_backend={self.attention_backend!r} is unknown: "
-                f"choose one of {['auto', *BACKENDS]}"
+                f"choose one of {['auto', 'default', *BACKENDS]}"
             )
         if isinstance(self.window_offsets, str):
             raise ValueError(

@@ -26,6 +26,17 @@ def op_name(node: torch.fx.Node) -> str | None:
     return None
 
 
+def callable_name(node: torch.fx.Node) -> str:
+    """The name a call node calls, however it was spelled: ``cumsum`` for ``x.cumsum``, ``torch.cumsum`` and
+    ``aten.cumsum.default`` alike."""
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.__name__.split(".")[0]
+    return getattr(target, "__name__", str(target))
+
+
 def _schema(node: torch.fx.Node) -> torch.FunctionSchema:
     target = node.target
     if isinstance(target, torch._ops.OpOverloadPacket):

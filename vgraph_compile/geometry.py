@@ -85,6 +85,11 @@ class VisionGeometry:
                 "merged tokens"
             )
 
+    def patch_width(self, channels: int) -> int:
+        """Values in one patch row of ``channels``-channel pixels: channels x temporal patch x patch x patch
+        (Qwen2.5-VL: 3 x 2 x 14 x 14 = 1176)."""
+        return channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
     @property
     def merged_window(self) -> int | None:
         """Window side in merged tokens (Qwen2.5-VL: 112 / 14 / 2 = 4)."""
@@ -119,10 +124,9 @@ class VisionGeometry:
 
     def frame_offsets(self, grid_thw: Sequence[Sequence[int]]) -> "torch.Tensor":
         """int32 cu_seqlens of full attention: one segment per frame (temporal patch) of every item."""
-        import torch
+        from vgraph_compile.kernels.segments import cu_seqlens
 
-        lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
-        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])
 
     def window_metadata(self, grid_thw: Sequence[Sequence[int]]) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(window_index, cu_window_seqlens) for window attention, as Qwen2.5-VL orders them.
@@ -131,6 +135,8 @@ class VisionGeometry:
         order within each frame, frames in order); ``cu_window_seqlens`` (int32, in patches) delimits them.
         """
         import torch
+
+        from vgraph_compile.kernels.segments import cu_seqlens
 
         if self.window_size is None:
             raise ValueError("window_metadata needs a geometry with window_size")
@@ -146,5 +152,4 @@ class VisionGeometry:
                         order.append(window)
                         lengths.append(window.numel() * merge * merge)
             start += t * rows * cols
-        offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return torch.cat(order), offsets
+        return torch.cat(order), cu_seqlens(lengths)

@@ -96,7 +96,6 @@ class VarlenSite:
     """One varlen-attention call in the graph."""
 
     node: str
-    op: str
     group: int
     rows: "sympy.Expr"
     """Packed row count of its q (the token expression the budgets are counted in)."""

@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from vgraph_compile.spec import Role
 from vgraph_compile.compile.padding import fill
+from vgraph_compile.kernels.segments import cu_seqlens
 
 
 @given(rows=st.integers(1, 20), extra=st.integers(0, 20))
@@ -57,14 +58,12 @@ def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(length
     """Padding [Q/K/O | V] offsets half by half (into a capture buffer up to 40 segments larger) leaves every real
     row unchanged and ends each half at its own last offset; padding it as one flat sequence would end the Q/K/O
     half on a V offset."""
-    import torch.nn.functional as F
-
     from vgraph_compile.kernels.ops import packed_varlen_attention
 
     tokens = sum(lengths)
     q, k, v = torch.randn(2 * tokens, 3, 2, 4).unbind(1)  # bucket rows: real rows, then padding
     q, k = q.contiguous(), k.contiguous()
-    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu_seqlens(lengths)
     packed = torch.cat([cu * 8, cu * v.stride(0)])
     capacity = torch.full((packed.shape[0] + 2 * extra,), -1, dtype=torch.int32)
     real = packed_varlen_attention(q, k, v, packed, tokens)[:tokens]

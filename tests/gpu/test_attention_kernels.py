@@ -4,11 +4,11 @@ reference, captured in a ``torch.cuda.CUDAGraph`` whose pool was filled with NaN
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.helpers import segment_reference
 from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.ops import varlen_attention
+from vgraph_compile.kernels.segments import cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -19,14 +19,13 @@ ROWS, SLOTS, HEADS = 1536, 6, 4
 def _offsets(lengths):
     """int32 cu_seqlens of ``lengths`` padded to SLOTS segments by repeating the last offset (empty segments)."""
     lengths = list(lengths) + [0] * (SLOTS - len(lengths))
-    return F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).cuda()
+    return cu_seqlens(lengths, "cuda")
 
 
 def _kernel(name):
-    try:
-        registry.resolve(name, torch.device("cuda"), torch.bfloat16)
-    except ValueError as reason:
-        pytest.skip(str(reason))
+    reason = registry.BACKENDS[name].unavailable(torch.device("cuda"), torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
     return lambda q, k, v, cu: varlen_attention(q, k, v, cu, ROWS, backend=name)
 
 

@@ -1,13 +1,22 @@
 """On a CUDA GPU, every attention kernel that runs there: equality against a float64 reference at the towers' head
-dims, and isolation of NaN/Inf per segment. Run with ``pytest -m gpu``."""
+dims on ragged and equal-length segments, and isolation of NaN/Inf per segment; the Triton confinement against its
+torch reference, plain and replayed in a CUDA graph. Run with ``pytest -m gpu``."""
 
 import pytest
 import torch
 from hypothesis import given
 
-from tests.kernels.test_segments import check_isolation, poisoned_calls
+from tests.kernels.test_segments import check_isolation, confinement_cases, poisoned_calls
 from tests.helpers import run_backend, segment_reference
+from vgraph_compile.compile import kernel_timing
 from vgraph_compile.kernels import registry
+from vgraph_compile.kernels.segments import (
+    confine_nonfinite,
+    confine_nonfinite_reference,
+    cu_seqlens,
+    mark_poisoned,
+    mark_poisoned_reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -17,25 +26,24 @@ KERNELS = [(name, dtype) for name in registry.BACKENDS for dtype in (torch.bfloa
 
 
 def _require(name, dtype):
-    try:
-        registry.resolve(name, CUDA, dtype)
-    except ValueError as unavailable:
-        pytest.skip(str(unavailable))
+    reason = registry.BACKENDS[name].unavailable(CUDA, dtype)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("name", list(registry.BACKENDS))
+@pytest.mark.parametrize("lengths", [[1, 0, 300, 129, 2000, 7], [512] * 4], ids=["ragged", "equal"])
 @pytest.mark.parametrize(
     "dtype, head_dim",
     [(torch.bfloat16, 64), (torch.bfloat16, 72), (torch.bfloat16, 80), (torch.float32, 80)],
 )
-def test_kernel_matches_float64_reference(name, dtype, head_dim):
-    """Segments of 1, 0, 300, 129, 2000 and 7 rows plus 1659 padding rows (NaN): real rows within bf16 (fp32)
-    rounding of the reference, padding rows exactly zero."""
+def test_kernel_matches_float64_reference(name, lengths, dtype, head_dim):
+    """Ragged segments (1, 0, 300, 129, 2000 and 7 rows) or four of 512, then padding rows (NaN) up to 4096: real
+    rows within bf16 (fp32) rounding of the reference, padding rows exactly zero."""
     _require(name, dtype)
-    lengths = [1, 0, 300, 129, 2000, 7]
     generator = torch.Generator().manual_seed(head_dim)
     q, k, v = (torch.randn(4096, 4, head_dim, generator=generator).to(CUDA, dtype) for _ in range(3))
-    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(CUDA, torch.int32)
+    cu = cu_seqlens(lengths, CUDA)
     end = sum(lengths)
     for t in (q, k, v):
         t[end:] = float("nan")
@@ -55,3 +63,75 @@ def test_nonfinite_values_stay_in_their_segment_on_cuda(name, dtype, call):
     lengths = lengths + [0] * (4 - len(lengths))
     tolerance = BF16_TOLERANCE if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     check_isolation(name, (lengths, 600 - sum(lengths), *poison), dtype, "cuda", tolerance)
+
+
+def _on_cuda(case, dtype, strided):
+    """A confinement case on CUDA in ``dtype``; ``strided``: k and v as views of one fused [rows, 3, heads, dim]."""
+    k, v, cu = case
+    if strided:
+        fused = torch.empty(k.shape[0], 3, *k.shape[1:], device=CUDA, dtype=dtype)
+        fused[:, 1], fused[:, 2] = k, v
+        return fused[:, 1], fused[:, 2], cu.to(CUDA)
+    return k.to(CUDA, dtype), v.to(CUDA, dtype), cu.to(CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("strided", [False, True])
+@given(case=confinement_cases())
+def test_triton_confinement_equals_the_torch_reference(dtype, strided, case):
+    """Zeroed k/v bit for bit, the same poisoned flags, and the same marked output (NaN in the same places,
+    every other entry unchanged)."""
+    k, v, cu = _on_cuda(case, dtype, strided)
+    if k.shape[0] == 0:
+        return
+    confined_k, confined_v, poisoned = confine_nonfinite(k, v, cu)
+    expected_k, expected_v, expected_poisoned = confine_nonfinite_reference(k, v, cu)
+    assert torch.equal(confined_k, expected_k) and torch.equal(confined_v, expected_v)
+    assert torch.equal(poisoned.bool(), expected_poisoned)
+    out = torch.randn(k.shape, device=CUDA, dtype=dtype)
+    expected = mark_poisoned_reference(out, cu, expected_poisoned)
+    marked = mark_poisoned(out.clone(), cu, poisoned)
+    assert torch.equal(marked.isnan(), expected.isnan())
+    assert torch.equal(marked.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+def test_triton_confinement_replays_in_a_cuda_graph():
+    """Captured once, replayed with new offsets and new NaN/Inf positions: each replay equals the reference on the
+    replay's inputs (the flags are reset inside the graph; nothing is decided on the host)."""
+    rows, heads, head_dim = 2048, 4, 72
+    k, v = (torch.randn(rows, heads, head_dim, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 700, 700, 1900], device=CUDA, dtype=torch.int32)
+    out = torch.randn(rows, heads, head_dim, device=CUDA, dtype=torch.bfloat16)
+    confine_nonfinite(k, v, cu)  # compile outside the capture
+    mark_poisoned(out.clone(), cu, torch.zeros(4, heads, device=CUDA, dtype=torch.int32))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        confined_k, confined_v, poisoned = confine_nonfinite(k, v, cu)
+        marked = mark_poisoned(out.clone(), cu, poisoned)
+    for offsets, planted in (
+        ([0, 700, 700, 1900], [(1, 5, 1, float("nan"))]),
+        ([0, 64, 1000, 1008], [(0, 1003, 3, float("inf")), (1, 2000, 0, float("nan"))]),
+        ([0, 2048, 2048, 2048], []),
+        ([0, 0, 0, 0], [(0, 10, 2, float("-inf"))]),
+    ):
+        cu.copy_(torch.tensor(offsets, dtype=torch.int32))
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        for tensor, row, head, value in planted:
+            (k, v)[tensor][row, head, row % head_dim] = value
+        graph.replay()
+        expected_k, expected_v, expected_poisoned = confine_nonfinite_reference(k, v, cu)
+        assert torch.equal(confined_k, expected_k) and torch.equal(confined_v, expected_v)
+        assert torch.equal(poisoned.bool(), expected_poisoned)
+        assert torch.equal(marked.isnan(), mark_poisoned_reference(out, cu, expected_poisoned).isnan())
+
+
+@pytest.mark.parametrize("head_dim", [72, 80])
+def test_auto_times_every_candidate_as_a_graph_replay(head_dim):
+    """Each kernel ``auto`` would time is captured and replayed on a full-attention group's shape."""
+    shape = kernel_timing.GroupShape(rows=2304, segment=2304, heads=4, head_dim=head_dim, dtype=torch.bfloat16)
+    names = kernel_timing._candidates(CUDA, torch.bfloat16)
+    assert "torch_varlen" in names
+    for name in names:
+        assert 0 < kernel_timing._time_ms(name, shape, CUDA) < 100, name

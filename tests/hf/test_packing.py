@@ -12,7 +12,6 @@ def test_every_item_once_and_batches_within_limits(grid, budget, max_items, max_
     assert sorted(i for batch in batches for i in batch.items) == list(range(len(grid)))
     for batch in batches:
         sizes = [grid[i][0] * grid[i][1] * grid[i][2] for i in batch.items]
-        assert batch.tokens == sum(sizes)
         if batch.eager:
             assert len(batch.items) == 1 and (sizes[0] > budget or grid[batch.items[0]][0] > max_frames)
         else:

@@ -1,6 +1,8 @@
 """compile_vision_tower on toy Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers: equal to the eager tower (same attention
 op) on generated grids, through the one-batch, split and eager-fallback paths; input checks."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
+from vgraph_compile.hf.packed_tower import learn_packed_tower
 
 # (t, h, w) in patches: images and short videos, thin strips, and the smallest 2x2 merged grid (4 x 4 patches)
 rows = st.tuples(st.sampled_from([1, 1, 2, 3]), st.sampled_from([4, 4, 8, 12, 16]), st.sampled_from([4, 8, 12, 20, 4]))
@@ -24,9 +27,15 @@ def compiled(towers):
     }
 
 
+@functools.cache
+def _patch_width(tower) -> int:
+    (width,) = learn_packed_tower(tower).pixel_shape
+    return width
+
+
 def _inputs(tower, grid):
     grid_thw = torch.tensor(grid)
-    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    width = _patch_width(tower)
     return torch.randn(int(grid_thw.prod(-1).sum()), width), grid_thw
 
 
@@ -80,7 +89,7 @@ def test_split_and_eager_fallback_paths(towers, compiled, name):
 )
 def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, message):
     tower = towers["qwen2-vl"]
-    width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    width = _patch_width(tower)
     with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
     with torch.no_grad(), pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):

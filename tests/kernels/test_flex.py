@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from tests.helpers import segment_reference
 from vgraph_compile.kernels import flex
-from vgraph_compile.kernels.segments import segment_ids
+from vgraph_compile.kernels.segments import cu_seqlens, segment_ids
 from vgraph_compile.kernels.ops import varlen_attention
 
 # Lengths around the 128-row tile: segments inside one tile, across tiles, empty, and a last partial tile.
@@ -17,7 +17,7 @@ lengths_around_tiles = st.lists(st.sampled_from([0, 1, 5, 127, 128, 129]) | st.i
 
 
 def _offsets(lengths):
-    return torch.nn.functional.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return cu_seqlens(lengths)
 
 
 @given(lengths=lengths_around_tiles, padding=st.integers(0, 140), scale=st.sampled_from([None, 0.3]))

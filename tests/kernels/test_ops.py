@@ -1,12 +1,12 @@
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.library import opcheck
 
 from tests.helpers import segment_reference
 from vgraph_compile.kernels import registry
+from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.kernels.ops import VARLEN_ATTENTION, packed_varlen_attention, varlen_attention
 
 segment_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6)
@@ -15,7 +15,7 @@ segment_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max
 def _packed(lengths, padding=0, heads=2, head_dim=8, generator=None):
     rows = sum(lengths) + padding
     q, k, v = (torch.randn(rows, heads, head_dim, generator=generator) for _ in range(3))
-    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu_seqlens(lengths)
     return q, k, v, cu
 
 
@@ -60,7 +60,7 @@ def test_resolve_rejects_unknown_and_unsupported_backends():
         registry.resolve("flash", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="'torch_varlen' cannot run on cpu"):
         registry.resolve("torch_varlen", torch.device("cpu"), torch.bfloat16)
-    assert registry.resolve("auto", torch.device("cpu"), torch.bfloat16).name == "sdpa"
+    assert registry.resolve("default", torch.device("cpu"), torch.bfloat16).name == "sdpa"
 
 
 @given(lengths=segment_lists, padding=st.integers(0, 8))

@@ -8,15 +8,16 @@ from hypothesis import strategies as st
 
 from tests.helpers import isolation_case, run_backend, segment_reference
 from vgraph_compile.kernels import registry
-from vgraph_compile.kernels.segments import confine_nonfinite, segment_ids
+from vgraph_compile.kernels.segments import (
+    confine_nonfinite_reference,
+    confined,
+    mark_poisoned_reference,
+    segment_ids,
+)
 
 
 def _skip_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    try:
-        registry.resolve(name, device, dtype)
-    except ValueError as unavailable:
-        return str(unavailable)
-    return None
+    return registry.BACKENDS[name].unavailable(device, dtype)
 
 
 @st.composite
@@ -57,21 +58,67 @@ def test_nonfinite_values_stay_in_their_segment(name, call):
     check_isolation(name, call, torch.float32, "cpu", dict(rtol=1e-5, atol=1e-5))
 
 
+@st.composite
+def confinement_cases(draw):
+    """k, v and cu_seqlens: segment lengths with empty ones and padding rows, and NaN/Inf planted at several
+    entries of k and v (padding rows included)."""
+    lengths = draw(st.lists(st.integers(0, 9), min_size=1, max_size=6))
+    rows = sum(lengths) + draw(st.integers(0, 4))
+    heads, head_dim = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    k, v = (torch.randn(rows, heads, head_dim, generator=generator) for _ in range(2))
+    if rows:
+        entries = st.tuples(
+            st.integers(0, 1), st.integers(0, rows - 1), st.integers(0, heads - 1), st.integers(0, head_dim - 1)
+        )
+        for tensor, row, head, col in draw(st.lists(entries, max_size=5)):
+            (k, v)[tensor][row, head, col] = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    cu = torch.nn.functional.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return k, v, cu
+
+
+def expected_poisoned(k, v, cu):
+    """Per segment (and the rows past the last offset), per head: whether any k or v entry there is non-finite."""
+    bounds = [*cu.tolist(), k.shape[0]]
+    bad = ~(k.isfinite() & v.isfinite()).all(-1)
+    return torch.stack([bad[start:end].any(0) for start, end in zip(bounds, bounds[1:])])
+
+
+@given(case=confinement_cases())
+def test_confine_nonfinite_zeroes_nonfinite_entries_and_flags_their_segments(case):
+    """Finite entries pass bit for bit, non-finite ones become 0, and exactly the segments (and heads) holding
+    one are flagged; empty segments never are."""
+    k, v, cu = case
+    confined_k, confined_v, poisoned = confine_nonfinite_reference(k, v, cu)
+    for before, after in ((k, confined_k), (v, confined_v)):
+        assert torch.equal(after, torch.where(before.isfinite(), before, torch.zeros_like(before)))
+    assert torch.equal(poisoned, expected_poisoned(k, v, cu))
+
+
+@given(case=confinement_cases())
+def test_mark_poisoned_writes_nan_on_poisoned_rows_only(case):
+    """NaN on every row of a flagged segment in the flagged head; every other entry unchanged, bit for bit."""
+    k, v, cu = case
+    poisoned = expected_poisoned(k, v, cu)
+    out = torch.randn(k.shape)
+    marked = mark_poisoned_reference(out, cu, poisoned)
+    rows_flagged = poisoned[segment_ids(cu, out.shape[0])].unsqueeze(-1).expand_as(out)
+    assert marked[rows_flagged].isnan().all()
+    assert torch.equal(marked[~rows_flagged], out[~rows_flagged])
+
+
 @given(call=poisoned_calls())
-def test_confine_nonfinite_spills_into_the_poisoned_segment_only(call):
-    """The spill term is exactly zero outside the poisoned segment. Inside it: a non-finite k or v entry makes the
-    segment's rows NaN in that entry's head (even where eager attention happens to stay finite, such as an Inf
-    key of a one-row segment); q's rows stay the kernel's."""
+def test_confined_kernel_is_nan_in_the_poisoned_segment_only(call):
+    """Through ``confined``: outside the poisoned segment the output equals the kernel's on clean input. Inside
+    it, a non-finite k or v entry makes the segment's rows NaN in that entry's head (even where eager attention
+    happens to stay finite, such as an Inf key of a one-row segment)."""
     lengths, padding, poisoned, tensor, row, value = call
-    _, (q, k, v), cu = isolation_case(lengths, padding, poisoned, tensor, row, value)
-    ids = segment_ids(cu, q.shape[0])
-    finite_k, finite_v, spill = confine_nonfinite(k, v, cu, ids)
-    assert finite_k.isfinite().all() and finite_v.isfinite().all()
+    clean, dirty, cu = isolation_case(lengths, padding, poisoned, tensor, row, value)
+    kernel = confined(lambda q, k, v, cu_seqlens, max_seqlen, scale: q + k + v)
+    out, expected = kernel(*dirty, cu, max(lengths), None), kernel(*clean, cu, max(lengths), None)
     start, end = int(cu[poisoned]), int(cu[poisoned + 1])
-    assert spill.shape == (q.shape[0], q.shape[1], 1)
-    assert spill[:start].eq(0).all() and spill[end:].eq(0).all()
-    head = row % q.shape[1]
-    expected = torch.zeros_like(spill[start:end])
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[start:end] = False
+    assert torch.equal(out[others], expected[others])
     if tensor != 0:
-        expected[:, head] = float("nan")
-    torch.testing.assert_close(spill[start:end], expected, rtol=0, atol=0, equal_nan=True)
+        assert out[start:end, row % out.shape[1]].isnan().all()

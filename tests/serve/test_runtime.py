@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import vgraph_compile
 from vgraph_compile.counters import counters
+from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 BUDGETS = (16, 64, 128)
@@ -230,9 +231,7 @@ class PackedInput(torch.nn.Module):
 
 
 def _packed_inputs(lengths):
-    import torch.nn.functional as F
-
-    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu_seqlens(lengths)
     return torch.randn(sum(lengths), 8), torch.cat([cu * 8, cu * 24]), max(lengths)
 
 

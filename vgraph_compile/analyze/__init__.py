@@ -2,7 +2,8 @@
 
 Order, and why:
 1. ``discover`` (sites, input roles, relations): roles and attention groups come from the traced graph's data
-   flow, before any rewrite.
+   flow, before any rewrite. It chains ``inputs`` (what the inputs are), ``groups`` (varlen sites and their
+   offsets), ``relations`` (sizes the graph ties), ``roles`` (indices and the rest) and ``checks`` (refusals).
 2. ``bounds``: per-bucket sizes need the roles; the trace's guards are checked here, before compiling.
 
 Each analysis is ``run(gm, ctx) -> gm`` and fills ``ctx`` (``ctx.spec``, ``ctx.buckets``); none rewrites ``gm``.

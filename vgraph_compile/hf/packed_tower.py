@@ -3,7 +3,7 @@
 ``learn_packed_tower(tower)`` reads the forward's signature (which argument is the grid), the config's geometry
 (patch, temporal patch, merge; the window size when the tower builds windows), the pixel row layout
 (``[patches, C*T*P*P]`` or ``[patches, C, (T,) P, P]``, the one the tower accepts), the grid metadata plan
-(``grid_metadata``), and the output's fields with their rows per patch. It then checks the plan on a second grid
+(``metadata_plan``), and the output's fields with their rows per patch. It then checks the plan on a second grid
 (a video and a one-merge-unit image): the tower called with the grid withheld and the planned metadata passed in
 must give exactly the stock outputs, so nothing it reads from the grid escapes the plan.
 """
@@ -20,7 +20,7 @@ import torch
 
 from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.grid_metadata import MetadataPlan, TowerRefused, record_metadata
+from vgraph_compile.hf.metadata_plan import MetadataPlan, TowerRefused, record_metadata
 
 __all__ = ["OutputField", "PackedTower", "grid_argument", "learn_packed_tower", "metadata_leaves", "rows_per_unit"]
 

@@ -17,7 +17,6 @@ __all__ = ["Batch", "pack"]
 class Batch:
     items: tuple[int, ...]
     """Indices into the caller's grid, in the order they are packed."""
-    tokens: int
     eager: bool = False
 
 
@@ -31,14 +30,14 @@ def pack(grid: list[tuple[int, int, int]], budget: int, max_items: int, max_fram
         t, h, w = grid[index]
         size = t * h * w
         if size > budget or t > max_frames:
-            batches.append(Batch((index,), size, eager=True))
+            batches.append(Batch((index,), eager=True))
             continue
         if items and (tokens + size > budget or len(items) + 1 > max_items or frames + t > max_frames):
-            batches.append(Batch(tuple(items), tokens))
+            batches.append(Batch(tuple(items)))
             items, tokens, frames = [], 0, 0
         items.append(index)
         tokens += size
         frames += t
     if items:
-        batches.append(Batch(tuple(items), tokens))
+        batches.append(Batch(tuple(items)))
     return batches

@@ -8,7 +8,6 @@ order.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
@@ -21,6 +20,7 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.packed_tower import (
     PackedTower,
     grid_argument,
@@ -30,13 +30,9 @@ from vgraph_compile.hf.packed_tower import (
 )
 from vgraph_compile.hf.packing import Batch, pack
 
-__all__ = ["CompiledVisionTower", "compile_vision_tower", "is_packed_tower"]
+__all__ = ["CompiledVisionTower", "TowerCall", "compile_vision_tower", "is_packed_tower"]
 
 log = logging.getLogger(__name__)
-
-Grid = tuple[tuple[int, int, int], ...]
-"""``grid_thw`` as a hashable tuple of (t, h, w) rows, in patches."""
-
 
 def _row_starts(grid) -> list[int]:
     """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
@@ -46,7 +42,7 @@ def _row_starts(grid) -> list[int]:
     return starts
 
 
-class _TowerCall(torch.nn.Module):
+class TowerCall(torch.nn.Module):
     """The traced forward: the tower with its grid withheld and every grid-derived value passed in, so nothing
     syncs the host; returns the output fields flat (list fields expanded).
 
@@ -114,8 +110,7 @@ class CompiledVisionTower(torch.nn.Module):
         """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
         self.vgraph_config = config
         self.geometry = config.geometry
-        self._metadata: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
-        self._metadata_cache_size = metadata_cache_size
+        self.grid_metadata = GridMetadata(tower, interface, metadata_cache_size)
         self.split_calls = 0
         self.stock_calls = 0
         self.process_group = process_group
@@ -125,10 +120,10 @@ class CompiledVisionTower(torch.nn.Module):
 
     def _compile(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
-        self.__dict__["compiled"] = encoder(_TowerCall(self.tower, self.interface), config=self.vgraph_config)
+        self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=self.vgraph_config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
-        self._metadata.clear()
+        self.grid_metadata.clear()
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -208,23 +203,6 @@ class CompiledVisionTower(torch.nn.Module):
         return grid
 
     # -- per call ----------------------------------------------------------------------------------------------
-    def _metadata_for(self, grid: Grid, device: torch.device) -> dict:
-        key = (grid, device)
-        if key in self._metadata:
-            self._metadata.move_to_end(key)
-            return self._metadata[key]
-        # plain tensors keep a version counter (the runtime skips re-copying them); the routed attention makes
-        # get_max_seqlen compute max_seqlen, as in the trace
-        with torch.inference_mode(False), routed_attention(self.tower):
-            host = self.interface.metadata.compute(torch.tensor(grid, dtype=torch.int64))
-            metadata = {
-                name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in host.items()
-            }
-        self._metadata[key] = metadata
-        if len(self._metadata) > self._metadata_cache_size:
-            self._metadata.popitem(last=False)
-        return metadata
-
     def warmup(self) -> None:
         """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
 
@@ -242,8 +220,7 @@ class CompiledVisionTower(torch.nn.Module):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
-        metadata = self._metadata_for(grid, pixel_values.device)
-        return self.compiled(pixel_values, **metadata)
+        return self.compiled(pixel_values, **self.grid_metadata(grid, pixel_values.device))
 
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
         """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""

@@ -19,7 +19,7 @@ with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment straddli
 block) although the tiles equal ``create_block_mask``'s; built outside, the same mask gives the exact result. On the
 CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured
 tensor, and the eager path is the exact unfused computation. A masked tile still multiplies masked values by a
-zero weight, so k/v pass through ``segments.confine_nonfinite`` first: a NaN/Inf in one segment reaches no other.
+zero weight, so the kernel runs ``segments.confined``: a NaN/Inf in one segment reaches no other.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from vgraph_compile.kernels.segments import confine_nonfinite, segment_ids
+from vgraph_compile.kernels.segments import confined, segment_ids
 
 TILE = 128
 """Rows per BlockMask tile (FlexAttention's default block size)."""
@@ -67,10 +67,9 @@ def document_mask(ids: torch.Tensor) -> BlockMask:
 
 def _attend(q, k, v, cu_seqlens, scale, kernel):
     ids = segment_ids(cu_seqlens, q.shape[0])
-    k, v, spill = confine_nonfinite(k, v, cu_seqlens, ids)
     heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
     out = kernel(*heads_first, block_mask=document_mask(ids), scale=scale)
-    return out[0].transpose(0, 1) + spill
+    return out[0].transpose(0, 1)
 
 
 @functools.cache
@@ -78,15 +77,19 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, fullgraph=True)
 
 
-def attention(
+def unconfined(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None
 ) -> torch.Tensor:
+    """The masked kernel alone: a NaN/Inf in k or v reaches other segments."""
     with _functorch_enabled():
         if q.device.type != "cpu":
             return _attend(q, k, v, cu_seqlens, scale, _compiled_flex_attention())
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
             return _attend(q, k, v, cu_seqlens, scale, flex_attention)
+
+
+attention = confined(unconfined)
 
 
 _FUNCTORCH_KEYS = [

@@ -26,11 +26,11 @@ def _varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
-    backend: str = "auto",
+    backend: str = "default",
 ) -> torch.Tensor:
     """Attention of packed ``[tokens, heads, head_dim]`` q/k/v within the segments ``cu_seqlens`` marks.
 
-    ``backend`` names an implementation in ``vgraph_compile.kernels`` (``"auto"``: FlashAttention-2 for
+    ``backend`` names an implementation in ``vgraph_compile.kernels`` (``"default"``: FlashAttention-2 for
     fp16/bf16 on CUDA, the SDPA reference elsewhere). A compiled graph replaces it with the configured one.
     """
     resolved = registry.resolve(backend, q.device, q.dtype)
@@ -57,7 +57,7 @@ def _at_supported_head_dim(backend, q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 @_varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="auto"):
+def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="default"):
     return q.new_empty(q.shape)
 
 

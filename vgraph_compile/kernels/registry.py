@@ -5,7 +5,7 @@ Every backend computes the same function on packed ``[tokens, heads, head_dim]``
 ``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
 never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels that
 multiply across segments under a mask (``sdpa``, ``flex``, and ``fa4``, whose key tiles cross segment edges) pass
-k/v through ``segments.confine_nonfinite``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
+k/v through ``segments.confined``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
 read each segment's own rows only. Backends must not synchronise with the host: they run inside captured CUDA
 graphs.
 
@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     import torch
 
 AttentionBackendName = Literal[
-    "auto", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
+    "default", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
 ]
-"""Names accepted by ``VGraphConfig.attention_backend`` and the ops' ``backend`` argument."""
+"""Names accepted by the ops' ``backend`` argument. ``"default"`` is a fixed rule (``resolve``); the measured
+choice is ``VGraphConfig.attention_backend="auto"`` (``compile/kernel_timing.py``)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class AttentionBackend:
     package: tuple[str, str] | None = None
     """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
     timed_by_auto: bool = True
-    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``graphs/kernel_choice.py``). Not: the
+    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``compile/kernel_timing.py``). Not: the
     CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
     kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
     head_dims: tuple[int, ...] | None = None
@@ -67,6 +68,26 @@ class AttentionBackend:
                 "choose another attention_backend"
             )
         return wider[0]
+
+    def unavailable(self, device: "torch.device", dtype: "torch.dtype") -> str | None:
+        """Why the kernel cannot run on ``device`` with ``dtype`` (its package missing, or the device or dtype
+        unsupported), in a message that says what to do; None when it can."""
+        if self.package is not None and not _installed(self.package[0]):
+            return (
+                f"attention backend {self.name!r} needs the optional package {self.package[1]}: "
+                f"pip install {self.package[1]}"
+            )
+        if not self.supports(device, dtype):
+            return (
+                f"attention backend {self.name!r} cannot run on {device.type} with {dtype}: every backend but sdpa "
+                "and flex needs CUDA and fp16/bf16 (cudnn: an sm80+ GPU, fa4: sm90+); use attention_backend='auto' "
+                "or 'sdpa'"
+            )
+        return None
+
+    def available(self, device: "torch.device", dtype: "torch.dtype") -> bool:
+        """Whether the kernel can run here: its package installed and ``device``/``dtype`` supported."""
+        return self.unavailable(device, dtype) is None
 
     def load(self) -> Callable[..., "torch.Tensor"]:
         return importlib.import_module(f"vgraph_compile.kernels.{self.module}").attention
@@ -145,25 +166,19 @@ BACKENDS: dict[str, AttentionBackend] = {
 
 
 def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:
-    """The backend ``name`` stands for on ``device``/``dtype``; ``"auto"`` picks the fastest one that runs there.
+    """The backend ``name`` stands for on ``device``/``dtype``.
 
-    ``auto`` is torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the SDPA block-diagonal reference.
+    ``"default"`` is a fixed rule, no measurement: torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the
+    SDPA block-diagonal reference.
     """
-    if name == "auto":
+    if name == "default":
         return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
     if name not in BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}: choose one of {['auto', *BACKENDS]} (VGraphConfig.attention_backend)"
+            f"unknown attention backend {name!r}: choose one of {['default', *BACKENDS]}"
         )
     backend = BACKENDS[name]
-    if backend.package is not None and not _installed(backend.package[0]):
-        raise ValueError(
-            f"attention backend {name!r} needs the optional package {backend.package[1]}: "
-            f"pip install {backend.package[1]}"
-        )
-    if not backend.supports(device, dtype):
-        raise ValueError(
-            f"attention backend {name!r} cannot run on {device.type} with {dtype}: every backend but sdpa and flex "
-            "needs CUDA and fp16/bf16 (cudnn: an sm80+ GPU, fa4: sm90+); use attention_backend='auto' or 'sdpa'"
-        )
+    reason = backend.unavailable(device, dtype)
+    if reason is not None:
+        raise ValueError(reason)
     return backend

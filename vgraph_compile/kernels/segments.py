@@ -1,15 +1,41 @@
-"""Segment bookkeeping shared by the backends that see the whole packed buffer at once (masked kernels).
+"""Segment bookkeeping: cu_seqlens from lengths, and what the backends whose kernels read across segment edges
+(masked kernels, and FA4's key tiles) share.
 
 A masked kernel still multiplies across segments: a masked score is ``-inf`` only if it was finite before the
-mask was added, and a zero attention weight times a NaN or Inf value is NaN. ``confine_nonfinite`` removes both
-leaks: the kernel gets k/v with every non-finite entry replaced by 0, which a masked pair then multiplies by an
-exact zero weight, and the segment that held them gets NaN in that head, on its own rows only.
+mask was added, and a zero attention weight times a NaN or Inf value is NaN. Confinement removes both leaks in two
+steps around the kernel:
+
+- ``confine_nonfinite`` gives the kernel k/v with every non-finite entry replaced by 0, which a masked pair then
+  multiplies by an exact zero weight, and each segment's poisoned heads (``[segments + 1, heads]``, nonzero where
+  the segment's k or v holds a NaN/Inf in that head; the last slot is the rows past ``cu_seqlens[-1]``);
+- ``mark_poisoned`` writes NaN into the kernel's output on every row of a poisoned segment, in that head only.
+
+So the other segments' rows come out bit-identical to a run on clean input, and a poisoned segment's head is NaN:
+a NaN never passes, and an Inf is poisoned on purpose even where eager attention would stay finite.
+
+On CUDA both steps are Triton kernels (``confine_triton``): one pass that reads k and v once and writes their
+zeroed copies, and a pass that stores NaN on the poisoned rows only (it does not read the output). Elsewhere, or
+without Triton, the torch functions below run; they are also the reference the Triton kernels are tested against.
+Neither synchronises with the host.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+__all__ = ["cu_seqlens", "segment_ids", "confine_nonfinite"]
+
+
+def cu_seqlens(lengths, device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 offsets ``[0, l0, l0 + l1, ...]`` of segments of ``lengths`` (a sequence of ints or a 1-D tensor):
+    ``len(lengths) + 1`` entries, the last one the total row count."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int32, device=device)
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def segment_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
@@ -19,21 +45,64 @@ def segment_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
 
 
-def confine_nonfinite(
-    k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(k, v, spill)``: k and v with non-finite entries zeroed, and the ``[rows, heads, 1]`` term to add to the
-    kernel's output: NaN on every row of a segment whose k or v holds a NaN/Inf in that head, exactly 0 elsewhere
-    (``ids``: each row's segment, as ``segment_ids`` gives; the rows past ``cu_seqlens[-1]`` form one more).
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
-    So the other segments' rows come out bit-identical to a run on clean input, and a poisoned segment's head is
-    NaN: a NaN never passes, and an Inf is poisoned on purpose even where eager attention would stay finite.
-    The per-segment test is a prefix sum over rows of per-row flags: one pass over k and v, no atomics.
-    """
+
+def _fused(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.shape[0] > 0 and _triton_installed()
+
+
+def confine_nonfinite(
+    k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k, v, poisoned)``: k and v with non-finite entries zeroed (fresh tensors; the inputs are not changed),
+    and ``[segments + 1, heads]`` flags, nonzero where a segment's k or v holds a NaN/Inf in that head."""
+    if _fused(k):
+        from vgraph_compile.kernels import confine_triton
+
+        return confine_triton.confine(k, v, cu_seqlens)
+    return confine_nonfinite_reference(k, v, cu_seqlens)
+
+
+def mark_poisoned(out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor) -> torch.Tensor:
+    """``out`` (``[rows, heads, head_dim]``, a fresh kernel output) with NaN on every row of a segment whose
+    ``poisoned`` flag is set in that head; every other entry is unchanged, bit for bit. On CUDA ``out`` is
+    written in place and returned."""
+    if _fused(out):
+        from vgraph_compile.kernels import confine_triton
+
+        return confine_triton.mark(out, cu_seqlens, poisoned)
+    return mark_poisoned_reference(out, cu_seqlens, poisoned)
+
+
+def confine_nonfinite_reference(
+    k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``confine_nonfinite`` in torch ops: per-row flags, then a prefix sum over rows gives each segment's count
+    of non-finite rows per head (no atomics)."""
     rows = k.shape[0]
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     counts = F.pad(bad.cumsum(0, dtype=torch.int32), (0, 0, 1, 0))
     bounds = F.pad(cu_seqlens, (0, 1), value=rows).long()
     poisoned = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
-    spill = torch.where(poisoned[ids], float("nan"), 0.0).to(v.dtype).unsqueeze(-1)
-    return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), spill
+    return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), poisoned
+
+
+def mark_poisoned_reference(out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor) -> torch.Tensor:
+    """``mark_poisoned`` in torch ops (out of place)."""
+    rows_poisoned = poisoned.bool()[segment_ids(cu_seqlens, out.shape[0])]
+    return out.masked_fill(rows_poisoned.unsqueeze(-1), float("nan"))
+
+
+def confined(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``kernel`` (an ``attention(q, k, v, cu_seqlens, max_seqlen, scale)`` that reads across segment edges)
+    given confined k/v, its output marked NaN on the poisoned segments' heads."""
+
+    @functools.wraps(kernel)
+    def attention(q, k, v, cu_seqlens, max_seqlen, scale):
+        k, v, poisoned = confine_nonfinite(k, v, cu_seqlens)
+        return mark_poisoned(kernel(q, k, v, cu_seqlens, max_seqlen, scale), cu_seqlens, poisoned)
+
+    return attention

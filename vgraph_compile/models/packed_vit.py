@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vgraph_compile.kernels import segments
 from vgraph_compile.kernels.ops import varlen_attention
 
 __all__ = ["PackedViT", "WindowedViT", "ClsViT", "RegisterViT", "pack_images"]
@@ -57,7 +58,7 @@ class PackedViT(nn.Module):
 def pack_images(lengths: list[int], patch_dim: int, *, device=None, dtype=None, generator=None):
     """Random packed patches for images of ``lengths`` patches: ``(patches, cu_seqlens, max_seqlen)``."""
     patches = torch.randn(sum(lengths), patch_dim, generator=generator, dtype=dtype).to(device)
-    cu_seqlens = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    cu_seqlens = segments.cu_seqlens(lengths, device)
     return patches, cu_seqlens, max(lengths)
 
 

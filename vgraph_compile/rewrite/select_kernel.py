@@ -54,6 +54,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     for node, op in _kernel_sites(gm):
         q = example_value(get_argument(node, op.q))
         name = ctx.kernels.get(groups.get(node.name), ctx.config.attention_backend)
+        if name == "auto":  # nothing was timed for this group: the ops' fixed rule
+            name = "default"
         configured = registry.resolve(name, q.device, q.dtype)
         if op.packed and not configured.packed:
             continue
