@@ -61,32 +61,31 @@ def _refused(name, tower):
 
 @pytest.mark.parametrize("name", sorted(vision_utils_families()))
 def test_served_equal_to_eager_or_refused(name):
+    """Two calls on one trace: an image, a video (a frame-per-row image on image-only towers) and a
+    one-merge-unit image in one graph call; then five items, more than ``max_items``, split over graph calls."""
     tower = build_tower(name, tiny=True)
     if name in REFUSED:
         return _refused(name, tower)
-    served = compile_vision_tower(
-        tower, token_budgets=[256, 1024], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa"
-    )
+    served = compile_vision_tower(tower, token_budgets=[256], max_items=3, compiler="eager", attention_backend="sdpa")
     assert (served.interface.video_failure is not None) == (name in IMAGES_ONLY)
     m = served.geometry.spatial_merge_size
     t = 1 if name in IMAGES_ONLY else 2
-    cases = {
-        "video": [(3, 2 * m, 4 * m)],
-        "image, video and one merge unit": [(1, 4 * m, 6 * m), (t, 2 * m, 2 * m), (1, m, m)],
-        "split": [(1, 4 * m, 4 * m), (1, 2 * m, 2 * m), (t, m, 2 * m), (1, m, m), (1, 2 * m, m)],  # 5 > max_items
-    }
+    shape = served.interface.pixel_shape
     if name in IMAGES_ONLY:
-        grid_thw = torch.tensor(cases.pop("video"))
-        pixel_values = torch.randn(int(grid_thw.prod(-1).sum()), *served.interface.pixel_shape)
-        with torch.no_grad(), pytest.raises(ValueError, match=r"grid_thw\[0\] = \(3, .* has 3 frames, but .* images only"):
-            served(pixel_values, grid_thw)
+        with torch.no_grad(), pytest.raises(ValueError, match=r"grid_thw\[1\] = \(3, .* has 3 frames, but .* images only"):
+            served(torch.randn(4 * m * m, *shape), torch.tensor([(1, m, m), (3, m, m)]))
+    cases = {
+        "one graph call": [(1, 4 * m, 6 * m), (t, 2 * m, 2 * m), (1, m, m)],
+        "split": [(1, 4 * m, 4 * m), (1, 2 * m, 2 * m), (t, m, 2 * m), (1, m, m), (1, 2 * m, m)],
+    }
     for case, grid in cases.items():
         grid_thw = torch.tensor(grid)
-        pixel_values = torch.randn(int(grid_thw.prod(-1).sum()), *served.interface.pixel_shape)
-        before = counters.snapshot()["replays"]
+        pixel_values = torch.randn(int(grid_thw.prod(-1).sum()), *shape)
+        before = counters.snapshot()["replays"], served.split_calls
         with torch.no_grad():
             out = served(pixel_values, grid_thw)
             with routed_attention(tower):
                 ref = tower(pixel_values, grid_thw)
-        assert counters.snapshot()["replays"] > before, case  # graphs served it, not the eager tower
+        assert counters.snapshot()["replays"] > before[0], case  # graphs served it, not the eager tower
+        assert served.split_calls - before[1] == (case == "split"), case
         _assert_same(out, ref)

@@ -9,6 +9,7 @@ config class (``config: XVisionConfig``); the tower is built from that config cl
 from __future__ import annotations
 
 import functools
+import glob
 import importlib
 import inspect
 import pathlib
@@ -20,9 +21,9 @@ import torch
 __all__ = ["Family", "vision_utils_families", "family", "build_tower", "TINY_SIZES"]
 
 TINY_SIZES = dict(
-    depth=2,
-    num_hidden_layers=2,
-    num_layers=2,
+    depth=1,
+    num_hidden_layers=1,
+    num_layers=1,
     hidden_size=32,
     embed_dim=32,
     width=32,
@@ -36,8 +37,9 @@ TINY_SIZES = dict(
     fullatt_block_indexes=[1],
     deepstack_visual_indexes=[0],
 )
-"""Config fields that size a tower, shrunk: a field is set only where the family's config has it (2 blocks,
-width 32, 2 heads, merger output 48, a 8 x 8 position table)."""
+"""Config fields that size a tower, shrunk: a field is set only where the family's config has it (one block,
+width 32, 2 heads, merger output 48, a 8 x 8 position table). A tower with window blocks (its config lists its
+full-attention blocks, ``fullatt_block_indexes``) gets two: a window block, then a full-attention one."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,13 @@ class Family:
     config_class: type
 
 
-def _modeling_modules() -> list[str]:
+def _modeling_modules(pattern: str = "*") -> list[str]:
+    """The modeling modules (of the families matching ``pattern``) that import ``transformers.vision_utils``."""
     import transformers
 
     root = pathlib.Path(transformers.__file__).parent / "models"
     found = []
-    for path in sorted(root.glob("*/modeling_*.py")):
+    for path in sorted(root.glob(f"{pattern}/modeling_*.py")):
         if re.search(r"^from \.\.\.vision_utils import|^from transformers\.vision_utils", path.read_text(), re.M):
             found.append(f"transformers.models.{path.parent.name}.{path.stem}")
     return found
@@ -78,12 +81,9 @@ def _tower_of(module) -> tuple[type, type] | None:
     return max(found, key=lambda entry: entry[0])[1:] if found else None
 
 
-@functools.cache
-def vision_utils_families() -> dict[str, Family]:
-    """Every family of the installed transformers whose modeling module imports ``transformers.vision_utils``,
-    by model type (``glm4v``); a family with no tower class found (the import serves another part) is left out."""
+def _families(pattern: str) -> dict[str, Family]:
     families = {}
-    for module_name in _modeling_modules():
+    for module_name in _modeling_modules(pattern):
         try:
             module = importlib.import_module(module_name)
         except ImportError:  # a family needing an optional package
@@ -95,11 +95,21 @@ def vision_utils_families() -> dict[str, Family]:
     return families
 
 
+@functools.cache
+def vision_utils_families() -> dict[str, Family]:
+    """Every family of the installed transformers whose modeling module imports ``transformers.vision_utils``,
+    by model type (``glm4v``); a family with no tower class found (the import serves another part) is left out."""
+    return _families("*")
+
+
+@functools.cache
 def family(name: str) -> Family:
-    families = vision_utils_families()
-    if name not in families:
-        raise ValueError(f"no vision_utils family {name!r} in the installed transformers: one of {sorted(families)}")
-    return families[name]
+    """One family, importing its modeling module only."""
+    found = _families(glob.escape(name)) if name and "/" not in name else {}
+    if name not in found:
+        families = sorted(vision_utils_families())
+        raise ValueError(f"no vision_utils family {name!r} in the installed transformers: one of {families}")
+    return found[name]
 
 
 def _tied_fields(defaults: dict, sizes: dict) -> dict:
@@ -136,6 +146,8 @@ def build_tower(
     spec = family(name)
     defaults = spec.config_class().to_dict()
     sizes = {key: value for key, value in TINY_SIZES.items() if key in defaults} if tiny else {}
+    if "fullatt_block_indexes" in sizes:
+        sizes.update({key: 2 for key in ("depth", "num_hidden_layers", "num_layers") if key in sizes})
     if tiny:
         sizes.update(_tied_fields(defaults, sizes))
     torch.manual_seed(seed)
