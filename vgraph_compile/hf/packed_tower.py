@@ -22,7 +22,7 @@ from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.metadata_plan import MetadataPlan, TowerRefused, record_metadata
 
-__all__ = ["OutputField", "PackedTower", "grid_argument", "learn_packed_tower", "metadata_leaves", "rows_per_unit"]
+__all__ = ["OutputField", "PackedTower", "config_geometry", "grid_argument", "learn_packed_tower", "metadata_leaves", "rows_per_unit"]
 
 _MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")
 """Config fields that hold the spatial merge (an int, or a square kernel as equal ints), as the vision_utils
@@ -99,11 +99,16 @@ def _geometry(tower: torch.nn.Module, windowed: bool) -> VisionGeometry:
     window = getattr(config, "window_size", None) if windowed else None
     if windowed and not isinstance(window, int):
         raise _refuse(tower, "it builds attention windows but its config has no window_size")
+    return config_geometry(config, window)
+
+
+def config_geometry(config, window_size: int | None = None) -> VisionGeometry:
+    """The geometry a vision config states (patch, temporal patch, merge, as the families spell them)."""
     return VisionGeometry(
-        patch_size=patch,
+        patch_size=config.patch_size,
         temporal_patch_size=_temporal_patch(config),
-        spatial_merge_size=merge,
-        window_size=window,
+        spatial_merge_size=_merge(config),
+        window_size=window_size,
     )
 
 

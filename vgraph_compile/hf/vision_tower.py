@@ -84,7 +84,9 @@ class CompiledVisionTower(torch.nn.Module):
     ``named_parameters``) is the tower's own, and ``.to()``, ``eval()``, ``parameters()`` act on the tower's
     tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
     lists) are read from the tower. Calls with grad enabled, in training mode, or with keywords other than
-    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention.
+    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention; a
+    keyword that is None or False asks for nothing (a MoE model's ``output_router_logits=False``, ``use_cache=None``)
+    and is dropped.
 
     With a ``process_group``, every rank of it must call with the same batch: each encodes its share of the items
     and every rank returns the whole output (``vgraph_compile.hf.data_parallel``). Set it to None to encode
@@ -225,6 +227,7 @@ class CompiledVisionTower(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
         """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
         return_dict = kwargs.pop("return_dict", True)
+        kwargs = {name: value for name, value in kwargs.items() if value is not None and value is not False}
         if kwargs or self.training or torch.is_grad_enabled():
             self.stock_calls += 1
             if kwargs:

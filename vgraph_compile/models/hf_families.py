@@ -39,7 +39,7 @@ TINY_SIZES = dict(
 )
 """Config fields that size a tower, shrunk: a field is set only where the family's config has it (one block,
 width 32, 2 heads, merger output 48, a 8 x 8 position table). A tower with window blocks (its config lists its
-full-attention blocks, ``fullatt_block_indexes``) gets two: a window block, then a full-attention one."""
+full-attention blocks, ``fullatt_block_indexes``) gets two (``shrunk``)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,20 @@ def _tied_fields(defaults: dict, sizes: dict) -> dict:
     return tied
 
 
+def shrunk(defaults: dict, sizes: dict) -> dict:
+    """The fields of ``sizes`` that a config with these ``defaults`` has, with the same type (an int for an int; any for None),
+    and the fields tied to them (``_tied_fields``). A config listing full-attention blocks among window blocks
+    (``fullatt_block_indexes``) keeps two layers: a window block, then a full-attention one."""
+    out = {
+        key: value
+        for key, value in sizes.items()
+        if key in defaults and (defaults[key] is None or type(defaults[key]) is type(value))
+    }
+    if "fullatt_block_indexes" in out:
+        out.update({key: 2 for key in ("depth", "num_hidden_layers", "num_layers") if key in out})
+    return {**out, **_tied_fields(defaults, out)}
+
+
 def build_tower(
     name: str,
     tiny: bool = False,
@@ -144,12 +158,7 @@ def build_tower(
     """The family's tower with random weights, in eval mode: the config class's defaults (the released sizes),
     ``TINY_SIZES`` over them with ``tiny``, then ``fields``."""
     spec = family(name)
-    defaults = spec.config_class().to_dict()
-    sizes = {key: value for key, value in TINY_SIZES.items() if key in defaults} if tiny else {}
-    if "fullatt_block_indexes" in sizes:
-        sizes.update({key: 2 for key in ("depth", "num_hidden_layers", "num_layers") if key in sizes})
-    if tiny:
-        sizes.update(_tied_fields(defaults, sizes))
+    sizes = shrunk(spec.config_class().to_dict(), TINY_SIZES) if tiny else {}
     torch.manual_seed(seed)
     config = spec.config_class(**{**sizes, **fields})
     tower = spec.tower_class._from_config(config, attn_implementation=attention)
