@@ -80,7 +80,9 @@ def main(argv=None) -> dict:
     elif torch.cuda.is_available():
         device, options, scale, batches, repeats, warmup = torch.device("cuda"), budgets, 1, 10, 20, 3
     else:
-        raise SystemExit("hf_towers.py times CUDA graphs and no CUDA GPU is visible (--toy runs the tiny tower on the CPU)")
+        raise SystemExit(
+            "hf_towers.py times CUDA graphs and no CUDA GPU is visible (--toy runs the tiny tower on the CPU)"
+        )
     fp32 = build_tower(args.family, tiny=args.toy, device=str(device), dtype=torch.float32)
     low = build_tower(args.family, tiny=args.toy, device=str(device), dtype=torch.bfloat16)
     low.load_state_dict(fp32.state_dict())

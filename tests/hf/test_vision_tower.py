@@ -169,7 +169,9 @@ def test_many_towers_in_one_process_each_served_by_its_own_trace():
     with torch.no_grad():
         ref = tower(pixel_values, grid_thw)
     for _ in range(3):
-        served = compile_vision_tower(tower, token_budgets=[64], max_items=1, compiler="eager", attention_backend="sdpa")
+        served = compile_vision_tower(
+            tower, token_budgets=[64], max_items=1, compiler="eager", attention_backend="sdpa"
+        )
         before = counters.snapshot()
         with torch.no_grad():
             out = served(pixel_values, grid_thw)

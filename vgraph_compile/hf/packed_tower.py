@@ -6,6 +6,10 @@
 (``metadata_plan``), and the output's fields with their rows per patch. It then checks the plan on a second grid
 (a video and a one-merge-unit image): the tower called with the grid withheld and the planned metadata passed in
 must give exactly the stock outputs, so nothing it reads from the grid escapes the plan.
+
+Image-only towers: when that check fails on the video (the stock tower itself fails on more than one frame, or its
+rows do not scale with frames), it is made on two images instead, and ``PackedTower.video_failure`` keeps the
+video's reason: the tower is served on images only, and a grid with t > 1 is refused per call with that reason.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.metadata_plan import MetadataPlan, TowerRefused, record_metadata
 
-__all__ = ["OutputField", "PackedTower", "config_geometry", "grid_argument", "learn_packed_tower", "metadata_leaves", "rows_per_unit"]
+__all__ = [
+    "OutputField",
+    "PackedTower",
+    "config_geometry",
+    "grid_argument",
+    "learn_packed_tower",
+    "metadata_leaves",
+    "rows_per_unit",
+]
 
 _MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")
 """Config fields that hold the spatial merge (an int, or a square kernel as equal ints), as the vision_utils
@@ -123,7 +135,8 @@ def _pixel_shapes(tower: torch.nn.Module) -> list[tuple[int, ...]]:
 
 
 def _patches_per_row(patch_counts: list[int], row_counts: list[int]) -> int | None:
-    ratios = {patches // rows if rows and patches % rows == 0 else None for patches, rows in zip(patch_counts, row_counts)}
+    pairs = zip(patch_counts, row_counts)
+    ratios = {patches // rows if rows and patches % rows == 0 else None for patches, rows in pairs}
     return ratios.pop() if len(ratios) == 1 else None
 
 
@@ -166,7 +179,9 @@ def _record(tower, grid) -> tuple[tuple[int, ...], MetadataPlan, Any]:
             tower, f"its pixel_values carry a leading batch dim ([1, patches, {', '.join(map(str, shape))}]); vgraph "
             "serves towers whose pixel rows are packed along dim 0"
         )
-    raise _refuse(tower, f"no pixel row layout derived from its config fits its patch embedding ({'; '.join(failures)})")
+    raise _refuse(
+        tower, f"no pixel row layout derived from its config fits its patch embedding ({'; '.join(failures)})"
+    )
 
 
 def _failing_line(error: Exception) -> str:

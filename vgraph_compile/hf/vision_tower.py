@@ -2,8 +2,9 @@
 
 Per call: check the inputs (before anything runs), pack the items into batches that fit the largest bucket,
 take each batch's grid metadata from the cache (computed on the host once per distinct batch grid, by the plan
-learned from the tower: ``packed_tower``), run the compiled tower, and put every item's rows back in the caller's
-order.
+learned from the tower: ``packed_tower``; cached by ``grid_metadata``), run the compiled tower, and put every
+item's rows back in the caller's order. On a tower served on images only, a grid row with t > 1 is refused by the
+input check, before anything runs, with the reason its video failed.
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ class CompiledVisionTower(torch.nn.Module):
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         grid = ((1, side, 2 * side),)
         parameter = self.parameter
-        pixel_values = torch.randn(2 * side * side, *self.interface.pixel_shape, device=parameter.device, dtype=parameter.dtype)
+        shape = (2 * side * side, *self.interface.pixel_shape)
+        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
             self._run(pixel_values, grid)
 

@@ -4,7 +4,8 @@ The model's own code is unchanged: ``model(...)``, ``generate(...)``, ``get_imag
 ``get_video_features`` call the tower attribute as before (``visual``, ``vision_tower``, ``vision_model``...), and
 that attribute now holds a ``CompiledVisionTower`` (same parameters, same names, same output objects). Images and
 videos, in one prompt or a batch of prompts, reach the tower as one packed call per modality, which vgraph packs
-into its buckets.
+into its buckets. A tower served on images only (``PackedTower.video_failure``) refuses a video call with a
+``ValueError`` naming the reason: such a model's videos are passed one frame per grid row.
 """
 
 from __future__ import annotations

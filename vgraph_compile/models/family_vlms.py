@@ -22,7 +22,7 @@ import random
 import numpy as np
 import torch
 
-from vgraph_compile.models.hf_families import TINY_SIZES, family, shrunk
+from vgraph_compile.models.hf_families import TINY_SIZES, declared_config, family, shrunk
 
 __all__ = ["TINY_TEXT", "build_vlm", "image_processor", "image_inputs"]
 
@@ -39,10 +39,6 @@ TINY_TEXT = dict(
 )
 """Text config fields shrunk (where the config has them, with the same type): one layer, width 128 in one head of
 128 (every family's multimodal rotary sections fit it), 4 experts with 2 routed per token."""
-
-
-def _declared_config(model_class: type) -> type:
-    return next(inspect.get_annotations(base)["config"] for base in model_class.__mro__ if "config" in inspect.get_annotations(base))
 
 
 def vlm_class(name: str) -> type:
@@ -65,7 +61,8 @@ def _tiny_config(config_class: type) -> dict:
     text = shrunk(text_defaults, TINY_TEXT)
     if text_defaults.get("rope_parameters") == {} and text_defaults.get("layer_types"):
         rope = {"rope_type": "default", "rope_theta": 10000.0}
-        text["rope_parameters"] = {kind: dict(rope) for kind in set(text.get("layer_types", text_defaults["layer_types"]))}
+        kinds = set(text.get("layer_types", text_defaults["layer_types"]))
+        text["rope_parameters"] = {kind: dict(rope) for kind in kinds}
     fields = {"text_config": {**text_defaults, **text}}
     for key, sub in defaults.items():
         if key == "text_config" or not (key.endswith("_config") and isinstance(sub, dict)):
@@ -84,7 +81,7 @@ def build_vlm(name: str, tiny: bool = True, device: str = "cpu", dtype: torch.dt
     """The family's VLM with random weights, in eval mode, sdpa attention: tiny (see the module docstring), or the
     config class's defaults (the released sizes)."""
     model_class = vlm_class(name)
-    config_class = _declared_config(model_class)
+    config_class = declared_config(model_class)
     torch.manual_seed(seed)
     config = config_class(**(_tiny_config(config_class) if tiny else {}))
     with torch.device(device):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Family", "vision_utils_families", "family", "build_tower", "TINY_SIZES"]
+__all__ = ["Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "TINY_SIZES"]
 
 TINY_SIZES = dict(
     depth=1,
@@ -63,6 +63,12 @@ def _modeling_modules(pattern: str = "*") -> list[str]:
     return found
 
 
+def declared_config(model_class: type) -> type | None:
+    """The config class a model class declares (``config: XConfig`` on it or a base), None when none does."""
+    annotations = (inspect.get_annotations(base) for base in model_class.__mro__)
+    return next((found["config"] for found in annotations if "config" in found), None)
+
+
 def _tower_of(module) -> tuple[type, type] | None:
     """The last-defined model class of ``module`` declaring a vision config (a tower wrapping another comes after
     it: ``PaddleOCRVisionModel`` holds a ``PaddleOCRVisionTransformer``)."""
@@ -72,10 +78,7 @@ def _tower_of(module) -> tuple[type, type] | None:
     for value in vars(module).values():
         if not (inspect.isclass(value) and issubclass(value, PreTrainedModel) and value.__module__ == module.__name__):
             continue
-        config_class = next(
-            (inspect.get_annotations(base)["config"] for base in value.__mro__ if "config" in inspect.get_annotations(base)),
-            None,
-        )
+        config_class = declared_config(value)
         if inspect.isclass(config_class) and "Vision" in config_class.__name__ and "forward" in value.__dict__:
             found.append((inspect.getsourcelines(value)[1], value, config_class))
     return max(found, key=lambda entry: entry[0])[1:] if found else None
@@ -133,9 +136,9 @@ def _tied_fields(defaults: dict, sizes: dict) -> dict:
 
 
 def shrunk(defaults: dict, sizes: dict) -> dict:
-    """The fields of ``sizes`` that a config with these ``defaults`` has, with the same type (an int for an int; any for None),
-    and the fields tied to them (``_tied_fields``). A config listing full-attention blocks among window blocks
-    (``fullatt_block_indexes``) keeps two layers: a window block, then a full-attention one."""
+    """The fields of ``sizes`` that a config with these ``defaults`` has, with the same type (an int for an int;
+    any for None), and the fields tied to them (``_tied_fields``). A config listing full-attention blocks among
+    window blocks (``fullatt_block_indexes``) keeps two layers: a window block, then a full-attention one."""
     out = {
         key: value
         for key, value in sizes.items()
