@@ -3,7 +3,7 @@
 Prints the bucket table (hits, padding), eager fallbacks, and eager vs vgraph median latency per bucket.
 CPU (fp32, small model) by default; CUDA (bf16, a ViT-L-sized model, CUDA graphs) when a GPU is present.
 
-    python examples/demo.py [--requests 60] [--device cuda|cpu] [--seed 0]
+    python examples/demo.py [--requests 24] [--device cuda|cpu] [--seed 0]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def timed(fn, device: torch.device) -> tuple[object, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

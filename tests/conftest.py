@@ -8,11 +8,30 @@ from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
+os.environ["VGRAPH_ARTIFACT_DIR"] = ""  # compiles stay counted as compiles; tests of artifacts name their directory
+
 settings.register_profile(
     "default", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile("thorough", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture
+def cold_inductor_cache(tmp_path, monkeypatch):
+    """An empty inductor (and Triton) cache directory of the test's own, with torch's in-memory compile caches
+    and dynamo cleared: the first compile in the test starts cold, as on a fresh machine. Yields the directory
+    (``torch._inductor.runtime.cache_dir_utils.cache_dir()`` reads the variable at every use)."""
+    from torch._inductor.utils import clear_caches
+
+    directory = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(directory / "triton"))
+    clear_caches()
+    torch._dynamo.reset()
+    yield directory
+    clear_caches()
+    torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True, scope="module")

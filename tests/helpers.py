@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 import torch.fx
@@ -10,6 +11,7 @@ from torch._dynamo.testing import normalize_gm
 from torch._guards import detect_fake_mode
 
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import counters
 from vgraph_compile.decorator import trace_options
 from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.spec import PassContext
@@ -35,6 +37,16 @@ def trace(
     device = next(value.device for value in inputs if isinstance(value, torch.Tensor))
     ctx = PassContext(inputs, captured["shape_env"], config or VGraphConfig(token_budgets=(64, 256)), device)
     return gm, ctx
+
+
+@contextlib.contextmanager
+def counter_changes() -> Iterator[dict[str, int]]:
+    """The change of every counter over the block, filled in when it exits (for checks on a few counters where a
+    block may also retrace; ``counters.expect`` checks them all)."""
+    before = counters.snapshot()
+    changes: dict[str, int] = {}
+    yield changes
+    changes.update({name: value - before[name] for name, value in counters.snapshot().items()})
 
 
 def graph_str(gm: torch.fx.GraphModule) -> str:

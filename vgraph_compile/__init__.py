@@ -1,8 +1,10 @@
 """vgraph_compile: vision encoders with packed variable-length attention, run as CUDA graphs for any input.
 
 ``torch.compile(encoder, backend="vgraph", dynamic=True, options={"token_budgets": [...]})``, or
-``vgraph_compile.encoder(...)``. The pipeline: dynamo trace -> ``passes`` (discover, bound, rewrite,
-specialize) -> one static inductor graph per token budget -> ``runtime`` (pad, replay, narrow).
+``vgraph_compile.encoder(...)``. The pipeline: dynamo trace -> ``analyze`` (sites, input roles, relations,
+bounds per token budget) -> ``rewrite`` -> ``compile`` (one inductor compile, symbolic in every size, for all
+budgets; per budget, buffers and on CUDA one captured graph) -> ``serve`` (validate, fill, replay, narrow), with the
+attention ``kernels`` below and ``hf`` on top.
 """
 
 import logging

@@ -1,14 +1,17 @@
 """``vgraph explain``: the bucket x bound table of a geometry and its sympy derivation; with ``--module``, also
-the input roles the backend discovers in an encoder.
+the input roles the backend discovers in an encoder. ``vgraph precompile``: compile an encoder ahead of time and
+save the compiled artifact (``compile/artifacts``) that a later process, or a container image, starts from.
 
     vgraph explain --patch-size 14 --window-size 112 --budgets 1024 4096 16384 --max-items 8
     vgraph explain ... --module vgraph_compile.models.examples:windowed_vit
+    vgraph precompile vgraph_compile.models.examples:cls_vit --options '{"token_budgets": [64, 128]}' --artifact-dir DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from vgraph_compile.geometry import VisionGeometry
@@ -37,6 +40,40 @@ def explain(args: argparse.Namespace) -> str:
     return "\n".join(parts)
 
 
+def _factory(spec: str):
+    """``(encoder, example_args)`` from ``module:factory``."""
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise SystemExit(f"vgraph: takes module:factory (a factory returning (encoder, example_args)), got {spec!r}")
+    return getattr(importlib.import_module(module_name), attribute)()
+
+
+def precompile(args: argparse.Namespace) -> str:
+    """Compile ``module:factory``'s encoder with the options its server uses (the artifact is keyed on them, so
+    serve with the same options through ``vgraph_compile.encoder``) and save the compiled artifact."""
+    import torch
+
+    import vgraph_compile
+    from vgraph_compile.compile import artifacts
+    from vgraph_compile.counters import counters
+
+    if not artifacts.available():
+        raise SystemExit(f"vgraph precompile: torch {torch.__version__} has no torch._inductor.standalone_compile")
+    options = json.loads(args.options)
+    if args.artifact_dir is not None:
+        options["artifact_dir"] = args.artifact_dir
+    encoder, example_args = _factory(args.factory)
+    before = counters.snapshot()
+    compiled = vgraph_compile.encoder(encoder, **options)
+    with torch.no_grad():
+        compiled(*example_args)
+    saved = counters.artifacts_saved - before["artifacts_saved"]
+    loaded = counters.artifacts_loaded - before["artifacts_loaded"]
+    if not saved and not loaded:
+        raise SystemExit("vgraph precompile: nothing was saved (see the warnings above)")
+    return f"{args.factory}: {'saved' if saved else 'already saved'} ({saved + loaded} compiled encoder(s))"
+
+
 def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace) -> str:
     """Trace ``module:factory`` (a callable returning ``(encoder, example_args)``) and print its spec."""
     import torch
@@ -46,10 +83,7 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     from vgraph_compile.decorator import trace_options
     from vgraph_compile.analyze.bounds import output_ranges
 
-    module_name, _, attribute = spec.partition(":")
-    if not attribute:
-        raise SystemExit(f"--module takes path:attr (a factory returning (encoder, example_args)), got {spec!r}")
-    encoder, example_args = getattr(importlib.import_module(module_name), attribute)()
+    encoder, example_args = _factory(spec)
     config = VGraphConfig(
         token_budgets=tuple(args.budgets),
         geometry=geometry,
@@ -85,11 +119,15 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("--max-items", type=int, default=8)
     command.add_argument("--max-frames", type=int, default=None)
     command.add_argument("--module", help="path:attr of a factory returning (encoder, example_args)")
+    command = commands.add_parser("precompile", help="compile an encoder ahead of time and save the artifact")
+    command.add_argument("factory", help="module:factory returning (encoder, example_args)")
+    command.add_argument("--options", default="{}", help="vgraph options as JSON, the same as the server's")
+    command.add_argument("--artifact-dir", help="where to save (default: VGRAPH_ARTIFACT_DIR, else inductor's cache)")
     args = parser.parse_args(argv)
     try:
-        print(explain(args))
+        print(explain(args) if args.command == "explain" else precompile(args))
     except ValueError as error:
-        sys.exit(f"vgraph explain: {error}")
+        sys.exit(f"vgraph {args.command}: {error}")
 
 
 if __name__ == "__main__":

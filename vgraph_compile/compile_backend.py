@@ -22,7 +22,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vgraph_compile.analyze import analyze
+from vgraph_compile.analyze import ANALYSES, Analyses, analyze
 from vgraph_compile.compile.build import build
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
@@ -83,8 +83,12 @@ def _trace_signature(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dic
 class VGraphBackend:
     """The vgraph backend with a fixed config; keeps the runtimes it built, in order."""
 
-    def __init__(self, config: VGraphConfig | None = None, keep_first_outputs: bool = False) -> None:
+    def __init__(
+        self, config: VGraphConfig | None = None, keep_first_outputs: bool = False, analyses: Analyses = ANALYSES
+    ) -> None:
         self.config = config or VGraphConfig()
+        self.analyses = analyses
+        """The analyses run on each trace: ``ANALYSES`` (varlen encoders) or ``TILE_ANALYSES`` (fixed tiles)."""
         self.keep_first_outputs = keep_first_outputs
         """Runtimes keep their first call's outputs (for ``vgraph_compile.encoder`` to map its return value)."""
         self.runtimes: list[VGraphRuntime] = []
@@ -134,7 +138,7 @@ class VGraphBackend:
             device=_device(example_inputs),
         )
         try:
-            analyze(gm, ctx)
+            analyze(gm, ctx, self.analyses)
         except StaticTokensError as error:
             return self._static_trace(gm, str(error))
         checks = CallChecks(ctx)

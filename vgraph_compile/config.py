@@ -64,7 +64,7 @@ class VGraphConfig:
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
     (fast to build; for tests and debugging)."""
     align_matmuls: bool | None = None
-    """Pad misaligned matmul widths with zeros (``passes/align_matmuls``; exact). None: where it pays, on CUDA when a
+    """Pad misaligned matmul widths with zeros (``rewrite/align_matmuls``; exact). None: where it pays, on CUDA when a
     width is not a multiple of 16 bytes; True: every width not a multiple of 64; False: never."""
     check_values: bool = True
     """Check cu_seqlens values (start 0, non-decreasing, end at the token count) before a graph runs.
@@ -82,6 +82,10 @@ class VGraphConfig:
     """With a geometry: the encoder arguments holding window-attention cu_seqlens (Qwen2.5-VL's name by default).
     Their group gets the window bound, every other group the frame bound; when the encoder has several groups
     and names none of them here, every group is sized for both (safe, looser)."""
+    artifact_dir: str | None = None
+    """Directory of saved compiled encoders (``compile/artifacts``): the first process saves the inductor compile,
+    later ones load it instead of compiling. None: the ``VGRAPH_ARTIFACT_DIR`` environment variable, else
+    ``vgraph_artifacts`` under inductor's cache directory; an empty string turns saving and loading off."""
     budgets: tuple[int, ...] = field(init=False)
     """The resolved, sorted token budgets."""
     segments: int = field(init=False)

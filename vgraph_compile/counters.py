@@ -26,12 +26,16 @@ class Counters:
     """Graph nodes changed by rewrite passes (all buckets)."""
     compiles: int = 0
     """Inductor compiles: one per trace, whatever the number of buckets."""
+    artifacts_saved: int = 0
+    """Compiled encoders saved for later processes (``compile/artifacts``)."""
+    artifacts_loaded: int = 0
+    """Compiled encoders loaded from a saved artifact instead of compiled (no inductor compile)."""
     buckets_built: int = 0
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0
     """CUDA graphs recorded (one per bucket when cudagraphs are on)."""
     buckets_dropped: int = 0
-    """Buckets given up at capture (out of GPU memory)."""
+    """Buckets given up: a guard of the compiled code fails at their sizes, or out of GPU memory at capture."""
     replays: int = 0
     """Calls served by a bucket graph."""
     eager_fallbacks: int = 0

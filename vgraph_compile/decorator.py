@@ -3,7 +3,7 @@
 The first call traces with ``torch.compile(fn, backend=VGraphBackend(config), dynamic=True, fullgraph=True)``
 under ``trace_options()``: one trace with symbolic token and segment sizes serves every call, and a graph break
 is an error rather than a silent slow path. Later calls skip dynamo: the call's arguments are read into the
-graph's inputs (``runtime/arguments``) and the runtime validates, fills, replays and narrows. A call the trace
+graph's inputs (``serve/arguments``) and the runtime validates, fills, replays and narrows. A call the trace
 cannot tell apart without a retrace (another argument structure, another specialized constant) goes through
 dynamo again. A call with autograd enabled on trainable parameters or inputs runs the encoder as written.
 The returned callable exposes ``.vgraph`` (the backend, with its runtimes and their stats).
@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.compile_backend import VGraphBackend
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
@@ -66,9 +67,9 @@ class _HotPath:
 class CompiledEncoderFunction:
     """What ``vgraph_compile.encoder`` returns: call it like the encoder."""
 
-    def __init__(self, target: Callable[..., Any], config: VGraphConfig) -> None:
+    def __init__(self, target: Callable[..., Any], config: VGraphConfig, analyses: Analyses = ANALYSES) -> None:
         self.target = target
-        self.vgraph = VGraphBackend(config, keep_first_outputs=True)
+        self.vgraph = VGraphBackend(config, keep_first_outputs=True, analyses=analyses)
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
         self._hot: _HotPath | None = None

@@ -68,6 +68,17 @@ def set_argument(node: torch.fx.Node, name: str, value: Any) -> None:
     raise KeyError(f"{node.format_node()} has no argument {name!r}")
 
 
+def callable_name(node: torch.fx.Node) -> str:
+    """What a call node calls, by its short name: ``view`` for ``x.view(...)``, ``linear`` for ``F.linear`` or
+    ``aten.linear.default``, ``add`` for ``operator.add``."""
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.__name__.split(".")[0]
+    return getattr(target, "__name__", str(target))
+
+
 def example_value(node: torch.fx.Node) -> Any:
     """The fake value dynamo recorded for a node (``val`` after AOT)."""
     return node.meta.get("example_value", node.meta.get("val"))

@@ -32,7 +32,7 @@ def user_name(name: str) -> str:
 
 
 class Role(str, enum.Enum):
-    """What a graph input is, found from data flow; each role has one padding rule (``graphs/padding.py``)."""
+    """What a graph input is, found from data flow; each role has one padding rule (``compile/padding.py``)."""
 
     TOKENS = "tokens"
     """Tensor with token-sized dims: copied, the padded rows zeroed."""
@@ -49,6 +49,11 @@ class Role(str, enum.Enum):
     """Integer index that writes rows (``index_copy``, ``index_put``, ``scatter``, ``x[index] = ...``) into a dim
     exactly as long as itself (e.g. an inverse window permutation): padded with the identity, so each padded entry
     writes a padding row (the rows past the real count), never a real row."""
+    PLACEMENT_INDEX = "placement_index"
+    """Integer index whose values the graph uses as is to write rows into a dim longer than itself by positive
+    multiples of sizes (patch rows, or a CLS row per image, placed into ``patches + images`` rows): its padded
+    entries point at the rows from the call's real size of that dim upward, one each, which are padding rows of
+    the bucket's destination (every size at most its bucket's keeps them in range), never real rows."""
     TABLE_INDEX = "table_index"
     """Integer index into a fixed-size table (e.g. a position embedding): padded with 0, a valid entry."""
     MAX_SEQLEN = "max_seqlen"
@@ -71,7 +76,8 @@ class InputRole:
     group: int | None = None
     """Attention group of SEGMENT_OFFSETS / SEGMENT_LENGTHS / MAX_SEQLEN inputs."""
     indexed: "sympy.Expr | None" = None
-    """For GATHER_INDEX / SCATTER_INDEX: size of the dim it reads or writes, which bounds its length."""
+    """For GATHER_INDEX / SCATTER_INDEX: size of the dim it reads or writes, which bounds its length; for
+    PLACEMENT_INDEX: size of the dim it writes, whose real size per call is where its padded entries start."""
 
     def format(self) -> str:
         parts = [f"{user_name(self.name)}: {self.role.value}"]

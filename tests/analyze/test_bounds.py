@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.models.packed_vit import PackedViT, PlacedClsViT, pack_images
 from vgraph_compile.analyze import bounds, discover
 
 
@@ -124,7 +124,9 @@ def test_token_caps_are_the_largest_size_of_any_call_in_the_budget(coefficients,
     assert caps == {s: max(call[i] for call in calls) for i, s in enumerate(symbols)}
 
 
-def _cls_trace():
+@pytest.fixture(scope="module")
+def cls_context():
+    """The CLS encoder's pass context after discovery and bounds, budgets (32, 128), 6 segments."""
     from vgraph_compile.models.examples import cls_vit
 
     model, inputs = cls_vit()
@@ -135,13 +137,11 @@ def _cls_trace():
     return ctx
 
 
-CLS = _cls_trace()
-
-
-def test_cls_rows_are_a_sum_of_patches_and_images():
+def test_cls_rows_are_a_sum_of_patches_and_images(cls_context):
     """A CLS row per image: the budget bounds patches + images; 6 segments, and patches <= budget - 1 image."""
+    ctx = cls_context
     assert_expected_inline(
-        CLS.spec.format().splitlines()[0] + "\n" + "\n".join(bucket.format(CLS.spec) for bucket in CLS.buckets),
+        ctx.spec.format().splitlines()[0] + "\n" + "\n".join(bucket.format(ctx.spec) for bucket in ctx.buckets),
         """\
 tokens: cu_seqlens.shape[0] + patches.shape[0] - 1
 budget 32: segments=[6] max_seqlen=[32] (cu_seqlens.shape[0]<=7 max_seqlen<=32 patches.shape[0]<=31)
@@ -150,14 +150,38 @@ budget 128: segments=[6] max_seqlen=[128] (cu_seqlens.shape[0]<=7 max_seqlen<=12
 
 
 @given(lengths=st.lists(st.integers(1, 127), min_size=1, max_size=6))
-def test_every_cls_call_within_a_budget_fits_its_bucket(lengths):
+def test_every_cls_call_within_a_budget_fits_its_bucket(cls_context, lengths):
     """Any call of <= 6 images whose rows (patches + images) are within a budget fits that budget's bucket."""
+    ctx = cls_context
     real = {"patches.shape[0]": sum(lengths), "cu_seqlens.shape[0]": len(lengths) + 1}
-    sizes = {symbol: real[CLS.spec.describe(symbol)] for symbol in CLS.spec.token_symbols}
+    sizes = {symbol: real[ctx.spec.describe(symbol)] for symbol in ctx.spec.token_symbols}
     rows = sum(lengths) + len(lengths)
-    for bucket in CLS.buckets:
+    for bucket in ctx.buckets:
         fits = all(value <= bucket.values[symbol] for symbol, value in sizes.items())
         assert fits or rows > bucket.budget, f"{lengths} ({rows} rows) does not fit budget {bucket.budget}"
+
+
+def test_a_size_pinned_after_discovery_is_held_in_every_bucket():
+    """Inductor specializes ``cu_seqlens[1:-1]`` of a two-image ClsViT trace (a length-1 slice) by pinning
+    ``cu_seqlens.shape[0] == 3`` in the trace's ShapeEnv while it compiles. The buckets derived afterwards hold
+    that size (==), 2 segments, and patches <= budget - 2 CLS rows; before the pin, 6 segments and <= budget - 1."""
+    from vgraph_compile.models.packed_vit import ClsViT
+
+    model = ClsViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    config = VGraphConfig(token_budgets=(32, 128), max_segments=6, compiler="eager")
+    gm, ctx = trace(model, *pack_images([12, 20], 12), config=config, plain=True)
+    discover.run(gm, ctx)
+    (offsets,) = [s for s in ctx.spec.token_symbols if ctx.spec.describe(s) == "cu_seqlens.shape[0]"]
+    assert bounds.pinned_sizes(ctx) == {}
+    assert [shape.segments for shape in bounds.bucket_shapes(ctx)] == [(6,), (6,)]
+    assert bool(ctx.shape_env.create_symintnode(offsets, hint=3) == 3)  # inductor's 0/1 specialization
+    assert bounds.pinned_sizes(ctx) == {offsets: 3}
+    assert_expected_inline(
+        "\n".join(shape.format(ctx.spec) for shape in bounds.bucket_shapes(ctx)),
+        """\
+budget 32: segments=[2] max_seqlen=[32] (cu_seqlens.shape[0]==3 max_seqlen<=32 patches.shape[0]<=30)
+budget 128: segments=[2] max_seqlen=[128] (cu_seqlens.shape[0]==3 max_seqlen<=128 patches.shape[0]<=126)""",
+    )
 
 
 def test_window_group_is_named_not_guessed_from_the_traced_image():
@@ -175,4 +199,34 @@ def test_window_group_is_named_not_guessed_from_the_traced_image():
     gm, ctx = trace(model, *inputs, config=unnamed)
     assert_expected_inline(
         _bounds(gm, ctx).split(" (")[0], """budget 1024: segments=[67, 67] max_seqlen=[1024, 1024]"""
+    )
+
+
+class TiedPlacedClsViT(PlacedClsViT):
+    """PlacedClsViT with its CLS count tied to the segment count."""
+
+    def forward(self, patches, cu_seqlens, max_seqlen, cls_rows, patch_rows):
+        torch._check(cls_rows.shape[0] == cu_seqlens.shape[0] - 1)
+        return super().forward(patches, cu_seqlens, max_seqlen, cls_rows, patch_rows)
+
+
+def test_placement_indices_get_the_sizes_of_what_they_place():
+    """Placement indices take no bound from the dim they write (it is longer than they are): untied, the CLS rows
+    get the budget like the patches; tied to the segments, as many as the segments."""
+    from vgraph_compile.models.examples import placed_cls_vit
+
+    model, inputs = placed_cls_vit()
+    tied = TiedPlacedClsViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16)
+    config = VGraphConfig(token_budgets=(32,), max_segments=6, compiler="eager")
+    shapes = []
+    for encoder in (model, tied):
+        gm, ctx = trace(encoder, *inputs, config=config)
+        discover.run(gm, ctx)
+        bounds.run(gm, ctx)
+        shapes.append(ctx.buckets[0].format(ctx.spec))
+    assert_expected_inline(
+        "\n".join(shapes),
+        """\
+budget 32: segments=[6] max_seqlen=[32] (cls_rows.shape[0]<=32 cu_seqlens.shape[0]<=7 max_seqlen<=32 patches.shape[0]<=32)
+budget 32: segments=[6] max_seqlen=[32] (cls_rows.shape[0]<=6 max_seqlen<=32 patches.shape[0]<=31)""",
     )

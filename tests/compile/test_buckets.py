@@ -23,6 +23,23 @@ def test_buckets_share_one_storage_per_input():
     assert [tuple(bucket.buffers[min(bucket.buffers)].shape) for bucket in buckets] == [(16, 12), (32, 12), (64, 12)]
 
 
+def test_buffers_take_the_bytes_of_the_largest_bucket_only():
+    """Five buckets' buffers hold, all together, exactly the bytes of the largest bucket's buffers."""
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    compiled = vgraph_compile.encoder(model, token_budgets=(16, 24, 32, 48, 64), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+    buckets = compiled.vgraph.runtimes[0].buckets
+    storages = {
+        buffer.untyped_storage().data_ptr(): buffer.untyped_storage().nbytes()
+        for bucket in buckets
+        for buffer in bucket.buffers.values()
+    }
+    largest = sum(buffer.numel() * buffer.element_size() for buffer in buckets[-1].buffers.values())
+    assert len(buckets) == 5 and sum(storages.values()) == largest
+
+
 def test_empty_fill_is_a_valid_call_with_no_tokens():
     torch.manual_seed(0)
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()

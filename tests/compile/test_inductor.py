@@ -2,10 +2,12 @@
 
 import sympy
 import torch
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.compile.inductor import _holds
+from vgraph_compile.compile.inductor import _added_constraints, _holds
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 from vgraph_compile.spec import BucketShape
 
@@ -16,8 +18,24 @@ def test_a_guard_is_checked_at_each_bucket_size():
     tokens, other = sympy.symbols("s0 s1", integer=True, positive=True)
     small, large = BucketShape(256, {tokens: 256}, (8,), (256,)), BucketShape(1024, {tokens: 1024}, (8,), (1024,))
     guard = sympy.Ge(tokens, 855)
-    assert (_holds(guard, small), _holds(guard, large)) == (False, True)
-    assert _holds(sympy.Ge(other, 3), large) is None
+    shape_env = ShapeEnv()
+    assert (_holds(guard, small, shape_env), _holds(guard, large, shape_env)) == (False, True)
+    assert _holds(sympy.Ge(other, 3), large, shape_env) is None
+
+
+def test_a_specialization_is_checked_at_the_bucket_sizes_not_through_its_replacement():
+    """Inductor specializing a size (``bool(s == 3)`` on a SymInt) records the guard ``Eq(s, 3)`` and the
+    replacement ``s -> 3``. Through the replacement the guard reads ``3 == 3`` at any size; checked at the
+    bucket's sizes it fails where the bucket holds 7 offsets and holds where the bucket pins 3."""
+    shape_env = ShapeEnv()
+    offsets = shape_env.create_symbol(3, ConstantSource("cu_seqlens.shape[0]"))
+    assert bool(shape_env.create_symintnode(offsets, hint=3) == 3)
+    guard, replacement = _added_constraints(shape_env, 0, {})
+    assert guard == replacement == sympy.Eq(offsets, 3)
+    assert shape_env.replace(guard) == sympy.true  # what hid the failure
+    padded = BucketShape(64, {offsets: 7}, (6,), (64,))
+    pinned = BucketShape(64, {offsets: 3}, (2,), (64,), frozenset({offsets}))
+    assert (_holds(guard, padded, shape_env), _holds(guard, pinned, shape_env)) == (False, True)
 
 
 def test_one_compile_for_every_bucket():

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.spec import Role
-from vgraph_compile.compile.padding import fill
+from vgraph_compile.compile.padding import fill, fill_empty
 from vgraph_compile.kernels.segments import cu_seqlens
 
 
@@ -75,4 +75,41 @@ def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(length
     assert capacity[:half].tolist() == (cu * 8).tolist() + [8 * tokens] * extra
     assert capacity[half:].tolist() == (cu * v.stride(0)).tolist() + [v.stride(0) * tokens] * extra
     flat = torch.cat([packed, packed[-1:].expand(2 * extra)])
-    assert flat[half - 1] != 8 * tokens, "flat padding puts a V offset at the end of the Q/K/O half"
+    assert not torch.equal(capacity, flat), "fill padded the offsets as one flat sequence"
+    assert capacity[half - 1] == 8 * tokens != flat[half - 1], "flat padding ends the Q/K/O half on a V offset"
+
+
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+    more_patches=st.integers(0, 20),
+    more_images=st.integers(0, 4),
+)
+def test_padded_placement_entries_write_distinct_padding_rows(lengths, more_patches, more_images):
+    """Patch and CLS rows placed into patches + images rows (``place_cls_rows``), padded into a bucket with more of
+    each: every padded entry points past the call's real rows, no two padded entries of one index are equal, all
+    stay inside the bucket's destination, and writing NaN through the padded entries keeps every real row."""
+    from vgraph_compile.models.packed_vit import place_cls_rows
+
+    patches, _, _, cls_rows, patch_rows = place_cls_rows(lengths, 1)
+    written = len(lengths) + sum(lengths)
+    capacity = written + more_patches + more_images  # the bucket's destination: its patches + its images
+    placed = []
+    for index, more in ((patch_rows, more_patches), (cls_rows, more_images)):
+        buffer = torch.full((index.shape[0] + more,), -1, dtype=torch.int64)
+        fill(Role.PLACEMENT_INDEX, buffer, index, written)
+        padded = buffer[index.shape[0] :]
+        assert torch.equal(buffer[: index.shape[0]], index)
+        assert padded.ge(written).all() and padded.lt(capacity).all() and padded.unique().numel() == more
+        placed.append(buffer)
+    patch_values = torch.cat([patches[:, 0], torch.full((more_patches,), torch.nan)])
+    cls_values = torch.cat([-torch.ones(len(lengths)), torch.full((more_images,), torch.nan)])
+    rows = torch.zeros(capacity).index_copy(0, placed[0], patch_values).index_copy(0, placed[1], cls_values)
+    torch.testing.assert_close(rows[patch_rows], patches[:, 0], rtol=0, atol=0)
+    assert rows[cls_rows].eq(-1).all() and not rows[:written].isnan().any()
+
+
+def test_an_empty_call_points_placement_padding_at_the_first_rows():
+    """A capture's empty call: no real rows, so the padded entries are rows 0, 1, ... of the destination."""
+    buffer = torch.full((5,), -1, dtype=torch.int64)
+    fill_empty(Role.PLACEMENT_INDEX, buffer)
+    assert buffer.tolist() == [0, 1, 2, 3, 4]

@@ -95,14 +95,26 @@ add_1 = add: ['x.shape[0]', 16]""",
     )
 
 
+@pytest.fixture(scope="module")
+def aligned():
+    """``GatedBlock`` in float64, and the encoder that pads its misaligned matmuls (forced on the CPU)."""
+    torch.manual_seed(0)
+    model = GatedBlock().double().eval()
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa", compiler="eager", align_matmuls=True
+    )
+    return model, compiled
+
+
 @given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4))
 @settings(max_examples=10)
-def test_aligned_encoder_is_exact(lengths):
+def test_aligned_encoder_is_exact(aligned, lengths):
     """Served with the zero-padded parameters, in float64: equal to the model up to summation order."""
+    model, compiled = aligned
     inputs = pack_images(lengths, 16, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(ALIGNED(*inputs), GATED(*inputs), rtol=1e-12, atol=1e-12)
-    shapes = {tuple(value.shape) for value in ALIGNED.vgraph.runtimes[0].buckets[0].inputs if torch.is_tensor(value)}
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-12, atol=1e-12)
+    shapes = {tuple(value.shape) for value in compiled.vgraph.runtimes[0].buckets[0].inputs if torch.is_tensor(value)}
     assert {(64, 16), (64,), (16, 64)} <= shapes
 
 
@@ -113,9 +125,3 @@ def test_profitable_only_where_misaligned(traced):
     aligned = align_matmuls.run(copy.deepcopy(gm), ctx)
     assert not any(PADDED_SHAPE in node.meta for node in aligned.graph.nodes)
 
-
-torch.manual_seed(0)
-GATED = GatedBlock().double().eval()
-ALIGNED = vgraph_compile.encoder(
-    GATED, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa", compiler="eager", align_matmuls=True
-)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import vgraph_compile
 from tests.helpers import op_count, trace
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import counters
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 from vgraph_compile.kernels.ops import PACKED_VARLEN_ATTENTION, VARLEN_ATTENTION
 from vgraph_compile.rewrite import lower_packed, select_kernel
@@ -68,16 +69,26 @@ def test_only_packed_backends_are_lowered(backend, lowered):
     assert (after.code == before) == (lowered == 0)
 
 
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6))
-def test_packed_buckets_match_eager(lengths):
-    """Every call runs in a bucket much larger than itself (256 rows, 8 segments): real rows equal eager SDPA."""
-    inputs = pack_images(lengths, 12)
+@pytest.fixture(scope="module")
+def packed():
+    """A two-block PackedViT, and its encoder on the packed-offset reference kernel (one bucket of 256 rows),
+    traced by a first call."""
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=(256,), max_segments=8, compiler="eager", attention_backend="packed_reference"
+    )
     with torch.no_grad():
-        torch.testing.assert_close(COMPILED(*inputs), MODEL(*inputs), rtol=1e-5, atol=1e-5)
+        compiled(*pack_images([5, 7], 12))
+    return model, compiled
 
 
-torch.manual_seed(0)
-MODEL = PackedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
-COMPILED = vgraph_compile.encoder(
-    MODEL, token_budgets=(256,), max_segments=8, compiler="eager", attention_backend="packed_reference"
-)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6))
+def test_packed_buckets_match_eager(packed, lengths):
+    """Every call runs in a bucket much larger than itself (256 rows, 8 segments), served by it (one replay):
+    real rows equal eager SDPA."""
+    model, compiled = packed
+    inputs = pack_images(lengths, 12)
+    with torch.no_grad(), counters.expect(replays=1):
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+

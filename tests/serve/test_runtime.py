@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vgraph_compile
+from tests.helpers import counter_changes
 from vgraph_compile.counters import counters
 from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
@@ -38,9 +39,11 @@ segments = st.lists(st.integers(1, 48), min_size=1, max_size=6).filter(lambda le
 
 @given(lengths=segments)
 def test_matches_eager_on_generated_shapes(model, compiled, lengths):
-    """Every real row equals eager (same SDPA kernel) within fp32 round-off, in or over budget."""
+    """Every real row equals eager (same SDPA kernel) within fp32 round-off; a call within the largest budget is
+    served by a bucket graph, one over it runs eagerly."""
     inputs = pack_images(lengths, 12)
-    with torch.no_grad():
+    fits = sum(lengths) <= BUDGETS[-1]
+    with torch.no_grad(), counters.expect(replays=int(fits), eager_fallbacks=int(not fits)):
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
 
 
@@ -209,13 +212,17 @@ def windowed():
 
 @given(grid=grids)
 def test_window_attention_encoder_matches_eager(windowed, grid):
-    """Frames, windows and the window permutation padded by their roles: real rows equal eager, any grid."""
+    """Frames, windows and the window permutation padded by their roles: real rows equal eager, any grid; a grid
+    within the largest budget and max_frames is served by a bucket graph (the bounds hold every window), a larger
+    one runs eagerly."""
     from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
 
     model, compiled = windowed
     inputs = windowed_inputs(QWEN25_GEOMETRY, grid, 12)
-    with torch.no_grad():
+    fits = sum(t * h * w for t, h, w in grid) <= 256 and sum(t for t, _, _ in grid) <= 8
+    with torch.no_grad(), counter_changes() as changes:
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert (changes["replays"], changes["eager_fallbacks"]) == (int(fits), int(not fits)), changes
 
 
 class PackedInput(torch.nn.Module):

@@ -2,7 +2,7 @@
 
 Invariant: never mutates the graph; stores one ``BucketShape`` per budget in ``ctx.buckets``. A call fits a
 bucket when each of its sizes is at most the bucket's; every call whose token rows are at most the budget and
-whose segments fit the group capacities fits the bucket of that budget (``tests/passes/test_bounds.py`` proves
+whose segments fit the group capacities fits the bucket of that budget (``tests/analyze/test_bounds.py`` proves
 it over generated calls).
 
 Symbols covered:
@@ -15,13 +15,17 @@ Symbols covered:
   call (a segment count: one segment; any other size: 0), and a segment symbol also at most its capacity;
 - a symbol the graph ties to others (``spec.relations``, e.g. tokens = 4 n): its relation's value;
 - MAX_SEQLEN inputs: the group's bound: ``budget`` (a segment can hold every token), or the geometry's;
-- a GATHER_INDEX length: the bucket size of the dim it indexes (a permutation is that long, padded by identity);
+- a GATHER_INDEX / SCATTER_INDEX length: the bucket size of the dim it indexes (a permutation is that long,
+  padded by identity); a PLACEMENT_INDEX is shorter than the dim it writes: its length is bounded as any size;
 - a symbol a guard equates to assigned ones (``Eq(s44, s99)``): that value;
+- a size the ShapeEnv pinned to a constant after discovery (``pinned_sizes``: inductor specializing a slice
+  length while it compiles): that value in every bucket, and a call must match it (``BucketShape.fixed``);
 - feature widths and any other symbol (a dim ``dynamic=True`` made symbolic that nothing ties to the tokens):
   fixed at its traced value, never bounded by a guess; a call with another value fits no bucket (eager).
-Every guard dynamo recorded in the ShapeEnv must hold at the bucket's sizes, or the budget is refused with the
-guard that failed (e.g. a reshape needing a multiple of 4); a trace that pinned the token count to a constant is
-refused earlier, by discovery (``check_token_rows``). ``bound_sympy`` gives each output dim's range.
+Every guard dynamo recorded in the ShapeEnv must hold at the bucket's sizes, or the budget is refused
+(``BudgetRefused``) with the guard that failed (e.g. a reshape needing a multiple of 4); a trace that pinned the
+token count to a constant is refused earlier, by discovery (``check_token_rows``). ``bound_sympy`` gives each
+output dim's range.
 """
 
 from __future__ import annotations
@@ -33,11 +37,24 @@ import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from vgraph_compile.symbolic import evaluate, substitute, traced_values
-from vgraph_compile.spec import BucketShape, PassContext, VarlenSpec
+from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
 
-__all__ = ["run", "solve_for", "window_groups", "token_caps", "output_ranges"]
+__all__ = [
+    "run",
+    "BudgetRefused",
+    "bucket_shapes",
+    "pinned_sizes",
+    "solve_for",
+    "window_groups",
+    "token_caps",
+    "output_ranges",
+]
 
 log = logging.getLogger(__name__)
+
+
+class BudgetRefused(ValueError):
+    """A budget the trace cannot run at: no call fits it, or it breaks a constraint the trace recorded."""
 
 
 def solve_for(expr: sympy.Expr, target: int, what: str) -> tuple[sympy.Symbol, int] | None:
@@ -56,20 +73,20 @@ def solve_for(expr: sympy.Expr, target: int, what: str) -> tuple[sympy.Symbol, i
 
 def token_caps(rows: sympy.Expr, budget: int, least: dict[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
     """The largest value of each symbol of ``rows = c + sum(k_i s_i)`` (``k_i > 0``) over the calls with
-    ``rows <= budget`` and every ``s_j >= least.get(s_j, 0)``."""
-    poly = sympy.Poly(rows, *sorted(rows.free_symbols, key=str))
-    coefficients = {symbol: int(poly.coeff_monomial(symbol)) for symbol in poly.gens}
-    constant = int(poly.coeff_monomial(1))
+    ``rows <= budget`` and every ``s_j >= least.get(s_j, 0)``; empty when ``rows`` is a constant."""
+    symbols = sorted(rows.free_symbols, key=str)
+    poly = sympy.Poly(rows, *symbols) if symbols else None
+    coefficients = {symbol: int(poly.coeff_monomial(symbol)) for symbol in symbols}
+    constant = int(poly.coeff_monomial(1)) if poly is not None else int(rows)
     floor_rows = constant + sum(k * least.get(symbol, 0) for symbol, k in coefficients.items())
-    caps = {}
-    for symbol, k in coefficients.items():
-        caps[symbol] = (budget - floor_rows + k * least.get(symbol, 0)) // k
-        if caps[symbol] < least.get(symbol, 0):
-            raise ValueError(
-                f"budget {budget} holds no call: the token rows are at least {floor_rows} "
-                f"(one segment and no other rows); choose budgets of at least {floor_rows}"
-            )
-    return caps
+    if floor_rows > budget:
+        raise BudgetRefused(
+            f"budget {budget} holds no call: the token rows are at least {floor_rows} "
+            f"(one segment and no other rows); choose budgets of at least {floor_rows}"
+        )
+    return {
+        symbol: (budget - floor_rows + k * least.get(symbol, 0)) // k for symbol, k in coefficients.items()
+    }
 
 
 def window_groups(ctx: PassContext) -> set[int] | None:
@@ -141,9 +158,31 @@ def _least(spec: VarlenSpec) -> dict[sympy.Symbol, int]:
     return least
 
 
+def _symbols(spec: VarlenSpec) -> set[sympy.Symbol]:
+    """Every size symbol a call binds: the inputs' symbolic dims and the size ints."""
+    symbols = {binding.symbol for binding in spec.bindings}
+    for shape in spec.input_shapes:
+        for size in shape or ():
+            symbols |= size.free_symbols
+    return symbols
+
+
+def pinned_sizes(ctx: PassContext) -> dict[sympy.Symbol, int]:
+    """The sizes the trace's ShapeEnv now equates to a constant (a replacement ``s -> 3``). Discovery applies the
+    replacements dynamo made, so these are the later ones: inductor specializing a size while it compiles, e.g.
+    the length of ``cu_seqlens[1:-1]`` at two images (``cu_seqlens.shape[0] == 3``). Every bucket holds them."""
+    pins = {}
+    for symbol in _symbols(ctx.spec) | set(ctx.spec.token_rows.free_symbols):
+        value = sympy.sympify(ctx.shape_env.replace(symbol))
+        if value.is_Integer:
+            pins[symbol] = int(value)
+    return pins
+
+
 def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketShape:
     spec = ctx.spec
-    values: dict[sympy.Symbol, int] = dict(spec.features)
+    pinned = pinned_sizes(ctx)
+    values: dict[sympy.Symbol, int] = {**spec.features, **pinned}
     max_seqlen = []
     for group in spec.groups:
         capacity, longest = _group_capacity(ctx, budget, group.index, windows)
@@ -153,39 +192,52 @@ def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketSh
         max_seqlen.append(longest)
         for index in group.max_seqlen_inputs:
             (symbol,) = [binding.symbol for binding in spec.bindings if binding.input == index]
-            values[symbol] = longest
-    for symbol, cap in token_caps(spec.token_rows, budget, _least(spec)).items():
+            values[symbol] = pinned.get(symbol, longest)
+    least = {symbol: value for symbol, value in _least(spec).items() if symbol not in pinned}
+    for symbol, cap in token_caps(substitute(spec.token_rows, pinned), budget, least).items():
         values[symbol] = min(values.get(symbol, cap), cap)  # a segment symbol: also within the budget
     segments = [evaluate(group.segments, values, f"segment count of group {group.index}") for group in spec.groups]
 
     _follow_relations(ctx, values)
     for role in spec.inputs:
-        if role.indexed is not None:
+        if role.indexed is not None and role.role is not Role.PLACEMENT_INDEX:
             length = spec.input_shapes[role.index][0]
             capacity = evaluate(role.indexed, values, f"the dim {role.name} indexes")
             solved = solve_for(length, capacity, f"length of gather index {role.name}")
             if solved is not None:
                 values.setdefault(*solved)
 
-    symbols = {binding.symbol for binding in spec.bindings}
-    for shape in spec.input_shapes:
-        for size in shape or ():
-            symbols |= size.free_symbols
     _follow_relations(ctx, values)
-    fixed = frozenset(symbols - set(values)) | frozenset(spec.features)
+    fixed = frozenset(_symbols(spec) - set(values)) | frozenset(spec.features) | frozenset(pinned)
     hints = traced_values(ctx.shape_env)
-    for symbol in fixed:
+    for symbol in fixed - set(values):
         values[symbol] = int(hints[symbol])
     for traced, expr in _guards(ctx):
         if expr.free_symbols - set(values) - set(ctx.shape_env.replacements):
             continue
         if substitute(expr, values) != sympy.true:
             described = ", ".join(f"{spec.describe(s)}={v}" for s, v in sorted(values.items(), key=str))
-            raise ValueError(
+            raise BudgetRefused(
                 f"budget {budget} breaks the traced constraint {spec.describe_expr(expr)} (with {described}): the "
                 "encoder cannot run at that size; pick budgets that satisfy it (e.g. multiples of the merge size)"
             )
     return BucketShape(budget, values, tuple(segments), tuple(max_seqlen), fixed)
+
+
+def bucket_shapes(ctx: PassContext, drop_refused: bool = False) -> list[BucketShape]:
+    """One bucket per budget, each pinned size (``pinned_sizes``) held at its value. A refused budget raises
+    ``BudgetRefused``; with ``drop_refused`` (after the compile, when inductor pinned a size) it is dropped with
+    a warning instead, and calls it would serve run in a larger bucket or eagerly."""
+    windows = window_groups(ctx)
+    shapes = []
+    for budget in ctx.config.budgets:
+        try:
+            shapes.append(_bucket(ctx, budget, windows))
+        except BudgetRefused as refused:
+            if not drop_refused:
+                raise
+            log.warning("budget %d dropped: %s", budget, refused)
+    return shapes
 
 
 def output_ranges(spec: VarlenSpec, bucket: BucketShape) -> list[list[ValueRanges]]:
@@ -195,8 +247,7 @@ def output_ranges(spec: VarlenSpec, bucket: BucketShape) -> list[list[ValueRange
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    windows = window_groups(ctx)
-    ctx.buckets = tuple(_bucket(ctx, budget, windows) for budget in ctx.config.budgets)
+    ctx.buckets = tuple(bucket_shapes(ctx))
     unrelated = ctx.buckets[0].fixed - set(ctx.spec.features)
     if unrelated:
         log.warning(

@@ -42,22 +42,6 @@ __all__ = ["run"]
 log = logging.getLogger(__name__)
 
 
-def _outputs(gm: torch.fx.GraphModule, simplify: inputs.Simplify) -> tuple:
-    """Per output, its shape (tensors), its value expression (ints), or None."""
-    (output,) = gm.graph.find_nodes(op="output")
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    outputs = []
-    for arg in values:
-        value = example_value(arg) if isinstance(arg, torch.fx.Node) else arg
-        if isinstance(value, torch.Tensor):
-            outputs.append(tuple(simplify(size) for size in value.shape))
-        elif isinstance(value, torch.SymInt):
-            outputs.append(simplify(value))
-        else:
-            outputs.append(None)
-    return tuple(outputs)
-
-
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     checks.check_no_host_sync(gm)
     shape_env = ctx.shape_env
@@ -88,7 +72,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         token_rows=substitute(related(found[0].rows), features),
         bindings=sizes.bindings,
         input_shapes=sizes.shapes,
-        outputs=_outputs(gm, simplify),
+        outputs=inputs.output_shapes(gm, simplify),
         features=features,
         relations=solved,
     )

@@ -1,6 +1,7 @@
-"""The traced graph's inputs: which are module state, what a node is computed from, and where each size is read.
+"""The traced graph's inputs (which are module state, what a node is computed from, where each size is read) and
+the shapes of its outputs.
 
-Invariant: reads the graph only; every function here answers about inputs, none gives a role (``roles``,
+Invariant: reads the graph only; every function here answers about inputs or outputs, none gives a role (``roles``,
 ``groups``) or refuses a graph (``checks``).
 """
 
@@ -143,3 +144,19 @@ def feature_sizes(inputs: Inputs, simplify: Simplify, shape_env) -> dict[sympy.S
             (trailing if dim else leading).update(simplify(size).free_symbols)
     hints = traced_values(shape_env)
     return {symbol: int(hints[symbol]) for symbol in trailing - leading if symbol in hints}
+
+
+def output_shapes(gm: torch.fx.GraphModule, simplify: Simplify) -> tuple:
+    """Per output, its shape (tensors), its value expression (ints), or None."""
+    (output,) = gm.graph.find_nodes(op="output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    outputs = []
+    for arg in values:
+        value = example_value(arg) if isinstance(arg, torch.fx.Node) else arg
+        if isinstance(value, torch.Tensor):
+            outputs.append(tuple(simplify(size) for size in value.shape))
+        elif isinstance(value, torch.SymInt):
+            outputs.append(simplify(value))
+        else:
+            outputs.append(None)
+    return tuple(outputs)

@@ -11,8 +11,8 @@ Buffers: each copied input has one flat storage, sized for the largest bucket; a
 view of its first elements. Buckets never run at the same time (the runtime serializes calls), so they share it.
 On CPU (or with ``cudagraphs=False``) a bucket runs the compiled code on its buffers each call.
 
-What this module does not own: filling the buffers per call (``graphs/padding``, called by ``runtime/runner``), choosing a bucket, and the
-order of calls (``runtime/runner``).
+What this module does not own: filling the buffers per call (``compile/padding``, called by ``serve/runtime``),
+choosing a bucket, and the order of calls (``serve/runtime``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -66,6 +66,8 @@ class Bucket:
     buffers: dict[int, torch.Tensor]
     """The inputs filled per call, by graph input index."""
     stats: BucketStats
+    fills: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, int], ...] = ()
+    """Per buffer: its role's padding rule, the buffer and its graph input index (looked up once, not per call)."""
     graph: "torch.cuda.CUDAGraph | None" = None
     outputs: Sequence[Any] = field(default_factory=tuple)
     """The captured graph's output tensors (overwritten by each replay)."""
@@ -76,6 +78,15 @@ class Bucket:
             self.graph.replay()
             return self.outputs
         return compiled(list(self.inputs))
+
+    def fill(self, args: Sequence[Any], written: Mapping[int, int]) -> None:
+        """Fill every buffer from a call's graph inputs by its role's rule (``padding``); ``written`` gives, per
+        input of ``padding.WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``)."""
+        for rule, buffer, index in self.fills:
+            if index in written:
+                rule(buffer, args[index], written[index])
+            else:
+                rule(buffer, args[index])
 
     def fill_empty(self, roles: dict[int, Role]) -> None:
         """Fill every buffer as for a call with no tokens (valid input for any kernel)."""
@@ -116,7 +127,8 @@ def allocate(
             buffers[index] = inputs[index] = storage[: math.prod(dims)].view(dims)
         for index, value in int_inputs.items():
             inputs[index] = evaluate(value, shape.values, "a size input")
-        buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget)))
+        fills = tuple((padding.RULES[spec.inputs[index].role], buffer, index) for index, buffer in buffers.items())
+        buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget), fills))
     return buckets
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from vgraph_compile.kernels import registry
 from vgraph_compile.compile import buckets as bucket_graphs
@@ -32,6 +33,9 @@ from vgraph_compile.spec import PassContext, Role
 __all__ = ["build", "CompiledEncoder"]
 
 log = logging.getLogger(__name__)
+
+_ALIGNED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+"""Module parameter -> a weak reference to the aligned tensor that owns its storage (``_aligned``)."""
 
 
 @dataclass
@@ -50,7 +54,7 @@ class CompiledEncoder:
     kernels: dict[int, str] = field(default_factory=dict)
     """Attention group -> the kernel its sites run."""
     folded: dict[int, float | int | bool] = field(default_factory=dict)
-    """Graph input index -> the scalar value the graphs were built with (``passes/fold_scalars``)."""
+    """Graph input index -> the scalar value the graphs were built with (``rewrite/fold_scalars``)."""
     pool_bytes: int = 0
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
     captured: bool = False
@@ -86,8 +90,37 @@ def _cudagraphs(ctx: PassContext) -> bool:
     return wanted
 
 
+def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A zero tensor of ``shape`` holding ``parameter`` in its leading block.
+
+    Padded along its first dim only (a producer's weight rows, its bias), the block is a contiguous view with the
+    parameter's own strides: the parameter's data becomes that block, so the weights are held once, and the module
+    keeps its shapes, strides (dynamo's guards on it still hold), ``state_dict`` and eager and autograd calls.
+    Writes into the parameter (``load_state_dict``, ``copy_``) reach the compiled graphs; the padding stays zero.
+    ``module.to(...)``/``.half()`` give the parameter new data the graphs do not see: move and cast the module
+    before compiling it. A later trace of the same module (another grad mode, say) gets the same tensor back.
+
+    Padded along a later dim (a consumer's weight columns), the block's row stride is the padded width, and dynamo
+    guards the parameter's strides: a view there would make every later guarded call retrace. That weight stays a
+    zero-padded copy.
+    """
+    known = _ALIGNED.get(parameter)
+    padded = known() if known is not None else None
+    if padded is not None and padded.shape == shape and padded.data_ptr() == parameter.data_ptr():
+        return padded
+    with torch.no_grad(), torch.inference_mode(False):
+        padded = parameter.new_zeros(shape)
+        block = padded[tuple(slice(0, size) for size in parameter.shape)]
+        block.copy_(parameter.detach())
+        if block.stride() == parameter.stride():
+            parameter.data = block
+            _ALIGNED[parameter] = weakref.ref(padded)
+    return padded
+
+
 def _bind_parameters(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
-    """Per graph input: the parameter tensor (zero-padded to its aligned shape) or None (filled per call)."""
+    """Per graph input: the parameter tensor (at its aligned shape where ``align_matmuls`` asked) or None (filled
+    per call)."""
     bound: list[Any] = []
     for node, role in zip(gm.graph.find_nodes(op="placeholder"), ctx.spec.inputs):
         value = ctx.example_inputs[role.index]
@@ -96,9 +129,7 @@ def _bind_parameters(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
             continue
         padded = node.meta.get(PADDED_SHAPE)
         if padded is not None:
-            with torch.no_grad(), torch.inference_mode(False):
-                growth = [(0, new - old) for old, new in zip(value.shape, padded)]
-                value = F.pad(value.detach(), [amount for pair in reversed(growth) for amount in pair])
+            value = _aligned(value, tuple(padded))
         bound.append(value)
     return bound
 

@@ -2,10 +2,15 @@
 
 Invariant: one compile per trace (``counters.compiles``). The compiled code takes the graph's inputs at any
 bucket's sizes, so a bucket costs a capture, never a compile. Inductor's own size decisions (32-bit indexing,
-matmul choices) can add guards to the trace's ShapeEnv while it lowers; each one is checked at every bucket's
-sizes here, and a bucket where one fails is dropped with a warning rather than served by code that assumed
-otherwise. ``shape_padding`` is off: its guards split the budget range, and ``passes/align_matmuls`` pads the
-widths that need it instead.
+matmul choices, a 0/1 specialization such as ``cu_seqlens[1:-1]`` of length 1) can add guards and replacements
+to the trace's ShapeEnv while it lowers. A size it pins to a constant re-derives the buckets with that size held
+(``analyze/bounds.pinned_sizes``; dynamo traces calls of other sizes again, as the guard joins its own). Then
+each added guard is checked at every bucket's sizes, in the trace's symbols (not through the replacements, which
+make a pin's own guard trivially true), and a bucket where one fails is dropped with a warning rather than served
+by code that assumed otherwise. ``shape_padding`` is off: its guards split the budget range, and
+``rewrite/align_matmuls`` pads the widths that need it instead.
+
+The compiled code is saved as an artifact a second process loads instead of compiling (``compile/artifacts``).
 
 The example inputs inductor sees are the trace's fake values: token-sized tensors contiguous (the runtime's
 buffers are), parameters at their aligned shapes (``align_matmuls``), sizes as the trace's symbols.
@@ -21,6 +26,8 @@ import sympy
 import torch
 import torch.fx
 
+from vgraph_compile.analyze import bounds
+from vgraph_compile.compile import artifacts
 from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import substitute
@@ -45,42 +52,93 @@ def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
     return fakes
 
 
-def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledFn:
+_INDUCTOR_OPTIONS = {"shape_padding": False, "triton.cudagraphs": False}
+
+
+def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, Any]:
+    """The compiled graph, and its saveable ``CompiledArtifact`` (None where this torch has none)."""
     from torch._inductor.compile_fx import compile_fx
 
-    with torch._inductor.config.patch(shape_padding=False, **{"triton.cudagraphs": False}), torch.no_grad():
+    with torch._inductor.config.patch(_INDUCTOR_OPTIONS), torch.no_grad():
+        if artifacts.available():
+            compiled = torch._inductor.standalone_compile(
+                gm, _fake_inputs(gm, ctx), dynamic_shapes="from_tracing_context", options={}
+            )
+            return (lambda inputs: compiled(*inputs)), compiled
         compiled = compile_fx(gm, _fake_inputs(gm, ctx))
-    return lambda inputs: compiled(*inputs)
+    return (lambda inputs: compiled(*inputs)), None
 
 
-def _holds(guard: sympy.Expr, bucket: BucketShape) -> bool | None:
-    """Whether ``guard`` holds at the bucket's sizes; None when it reads sizes the bucket does not fix."""
-    value = substitute(guard, bucket.values)
+def _holds(guard: sympy.Expr, bucket: BucketShape, shape_env) -> bool | None:
+    """Whether ``guard``, in the trace's symbols, holds at the bucket's sizes; None when it reads sizes the bucket
+    does not fix. The bucket's sizes go in as they are, never through the ShapeEnv's replacements: the replacement
+    a specialization adds (``s -> 3``) would turn its own guard ``Eq(s, 3)`` into ``3 == 3`` at any bucket. Only a
+    symbol the bucket does not size is first replaced by what the ShapeEnv equates it to (a duck-sized one)."""
+    guard = sympy.sympify(guard)
+    others = {symbol: shape_env.replace(symbol) for symbol in guard.free_symbols if symbol not in bucket.values}
+    value = substitute(guard.xreplace(others), bucket.values)
     if value in (sympy.true, sympy.false):
         return bool(value)
     return None
 
 
+def _added_constraints(shape_env, guards_before: int, replacements_before: dict) -> list[sympy.Expr]:
+    """What inductor assumed while compiling: the guards it added and each new replacement as an equality."""
+    added = [guard.expr for guard in shape_env.guards[guards_before:]]
+    added += [
+        sympy.Eq(symbol, value)
+        for symbol, value in shape_env.replacements.items()
+        if replacements_before.get(symbol) != value
+    ]
+    return added
+
+
 def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, list[BucketShape]]:
-    """The compiled graph, and the buckets it may serve (every guard inductor added holds at their sizes)."""
+    """The compiled graph, and the buckets it may serve: re-derived with the sizes inductor pinned held at their
+    values, and only those where every guard inductor added holds at their sizes. Loaded from a saved artifact when
+    one matches (``compile/artifacts``), else compiled, and saved unless inductor pinned a size (a loaded artifact
+    would not tell the buckets to hold it)."""
     if ctx.config.compiler == "eager":
         return (lambda inputs: gm(*inputs)), list(ctx.buckets)
-    guards_before = len(ctx.shape_env.guards)
+    directory = artifacts.artifact_dir(ctx) if artifacts.available() else None
+    key = artifacts.artifact_key(gm, ctx) if directory is not None else None
+    if directory is not None:
+        loaded = artifacts.load(directory, key)
+        if loaded is not None:
+            counters.artifacts_loaded += 1
+            compiled = loaded.compiled
+            return (lambda inputs: compiled(*inputs)), [b for b in ctx.buckets if b.budget in loaded.served]
+    guards_before, replacements_before = len(ctx.shape_env.guards), dict(ctx.shape_env.replacements)
+    pinned_before = bounds.pinned_sizes(ctx)
     start = time.perf_counter()
-    compiled = _inductor(gm, ctx)
+    compiled, artifact = _inductor(gm, ctx)
     counters.compiles += 1
-    added = [ctx.shape_env.replace(guard.expr) for guard in ctx.shape_env.guards[guards_before:]]
+    added = _added_constraints(ctx.shape_env, guards_before, replacements_before)
     log.info("inductor compiled the encoder once in %.1f s (%d size guards added)", time.perf_counter() - start,
              len(added))  # fmt: skip
+    shapes = list(ctx.buckets)
+    pinned = bounds.pinned_sizes(ctx)
+    if pinned != pinned_before:
+        log.info(
+            "inductor specialized %s while compiling: the buckets hold those sizes (dynamo traces calls with "
+            "other sizes again)",
+            ", ".join(f"{ctx.spec.describe(symbol)}={value}" for symbol, value in sorted(pinned.items(), key=str)),
+        )
+        shapes = bounds.bucket_shapes(ctx, drop_refused=True)
+        counters.buckets_dropped += len(ctx.buckets) - len(shapes)
     served = []
-    for bucket in ctx.buckets:
-        failed = [guard for guard in added if _holds(guard, bucket) is False]
+    for bucket in shapes:
+        failed = [guard for guard in added if _holds(guard, bucket, ctx.shape_env) is False]
         if failed:
             log.warning(
                 "budget %d dropped: the compiled code assumes %s, which fails at that size",
                 bucket.budget,
-                ", ".join(str(guard) for guard in failed),
+                ", ".join(ctx.spec.describe_expr(guard) for guard in failed),
             )
+            counters.buckets_dropped += 1
             continue
         served.append(bucket)
+    if directory is not None and artifact is not None and pinned == pinned_before:
+        if artifacts.save(directory, key, artifact, tuple(bucket.budget for bucket in served)):
+            counters.artifacts_saved += 1
     return compiled, served

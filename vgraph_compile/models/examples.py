@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.models.packed_vit import ClsViT, RegisterViT, WindowedViT, pack_images
+from vgraph_compile.models.packed_vit import ClsViT, PlacedClsViT, RegisterViT, WindowedViT, pack_images, place_cls_rows
 
 QWEN25_GEOMETRY = VisionGeometry(patch_size=14, window_size=112)
 
@@ -44,3 +44,11 @@ def register_vit():
     torch.manual_seed(0)
     model = RegisterViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16, registers=4).eval()
     return model, pack_images([12, 20], 24)
+
+
+def placed_cls_vit():
+    """A ClsViT whose CLS and patch rows are placed by index inputs (tokens = patches + images), and three images
+    of 12, 20 and 8 patches."""
+    torch.manual_seed(0)
+    model = PlacedClsViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16).eval()
+    return model, place_cls_rows([12, 20, 8], 24)

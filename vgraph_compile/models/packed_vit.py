@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from vgraph_compile.kernels import segments
 from vgraph_compile.kernels.ops import varlen_attention
 
-__all__ = ["PackedViT", "WindowedViT", "ClsViT", "RegisterViT", "pack_images"]
+__all__ = ["PackedViT", "WindowedViT", "ClsViT", "PlacedClsViT", "RegisterViT", "pack_images", "place_cls_rows"]
 
 
 class Block(nn.Module):
@@ -100,7 +100,6 @@ class ClsViT(PackedViT):
         self.cls = nn.Parameter(torch.randn(self.embed.out_features) * 0.02)
 
     def forward(self, patches, cu_seqlens, max_seqlen):
-        x = self.embed(patches)
         images = cu_seqlens.shape[0] - 1
         shift = torch.arange(images + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
         token_offsets = cu_seqlens + shift
@@ -108,12 +107,44 @@ class ClsViT(PackedViT):
         image = torch.searchsorted(cu_seqlens[1:-1], index, right=True)
         patch_rows = (index + image + 1).long()
         cls_rows = token_offsets[:-1].long()
+        return self.encode_placed(patches, token_offsets, max_seqlen + 1, cls_rows, patch_rows)
+
+    def encode_placed(self, patches, token_offsets, max_seqlen, cls_rows, patch_rows):
+        """The CLS rows written at ``cls_rows`` and the embedded patches at ``patch_rows`` of ``patches + images``
+        rows, the blocks over ``token_offsets``: ``(cls [images, out_dim], patch rows [N, out_dim])``."""
+        x = self.embed(patches)
+        images = cls_rows.shape[0]
         rows = x.new_zeros(patches.shape[0] + images, x.shape[1])
         rows = rows.index_copy(0, patch_rows, x).index_copy(0, cls_rows, self.cls.expand(images, -1))
         for block in self.blocks:
-            rows = block(rows, token_offsets, max_seqlen + 1)
+            rows = block(rows, token_offsets, max_seqlen)
         out = self.merger(self.norm(rows))
         return out[cls_rows], out[patch_rows]
+
+
+class PlacedClsViT(ClsViT):
+    """ClsViT whose rows are placed by index inputs the host computes (``place_cls_rows``), as a packed encoder
+    outside HF does: ``cls_rows`` (each image's first row, ``cu_seqlens[:-1]``) and ``patch_rows`` (the others)
+    write into ``patches + images`` rows, and ``cu_seqlens`` counts those rows (CLS included).
+
+    ``forward(patches, cu_seqlens, max_seqlen, cls_rows, patch_rows) -> (cls [images, out_dim], patch rows)``;
+    the same weights give ``ClsViT``'s outputs.
+    """
+
+    def forward(self, patches, cu_seqlens, max_seqlen, cls_rows, patch_rows):
+        return self.encode_placed(patches, cu_seqlens, max_seqlen, cls_rows, patch_rows)
+
+
+def place_cls_rows(lengths: list[int], patch_dim: int, *, device=None, generator=None):
+    """Random packed patches of images of ``lengths`` patches and their placement with a CLS row before each:
+    ``(patches, cu_seqlens, max_seqlen, cls_rows, patch_rows)`` for ``PlacedClsViT`` (``cu_seqlens`` and
+    ``max_seqlen`` count the CLS rows)."""
+    patches, _, longest = pack_images(lengths, patch_dim, device=device, generator=generator)
+    cu_seqlens = segments.cu_seqlens([length + 1 for length in lengths], device)
+    cls_rows = cu_seqlens[:-1].long()
+    is_patch = torch.ones(int(cu_seqlens[-1]), dtype=torch.bool, device=device)
+    is_patch[cls_rows] = False
+    return patches, cu_seqlens, longest + 1, cls_rows, is_patch.nonzero().squeeze(1)
 
 
 class RegisterViT(PackedViT):

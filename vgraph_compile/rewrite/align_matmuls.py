@@ -16,7 +16,8 @@ reshape, a reduction, an output) refuses the region. Profitability (``should_pad
 multiple of 16 bytes of the weight's dtype, or whenever ``VGraphConfig.align_matmuls`` is True.
 
 The pass marks each padded parameter's placeholder with ``meta["vgraph.padded_shape"]``; the build pads the
-tensors (the pass allocates nothing).
+tensors (the pass allocates nothing): a row-padded one owns the module parameter's storage, the parameter a view
+of it (``compile/build._aligned``).
 
 Before/After (``n = 60`` padded to 64)::
 

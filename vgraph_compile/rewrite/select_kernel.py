@@ -5,7 +5,7 @@ moves. It runs on the eager fallback and on the graph inductor compiles alike, s
 site takes its attention group's measured kernel (``ctx.kernels``, from the build's timing) when there is one,
 else the configured kernel resolved for the device and dtype of its own q; a site on packed offsets keeps its
 kernel unless a packed one is configured. Nothing is timed or allocated here: the build does that
-(``graphs/kernel_choice``, ``kernels_used``).
+(``compile/kernel_timing``, ``kernels_used``).
 
 Before/After (``attention_backend="sdpa"``)::
 

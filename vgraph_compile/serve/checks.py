@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import sympy
 import torch
 
+from vgraph_compile.compile.padding import WRITTEN_SIZE_ROLES
 from vgraph_compile.spec import PassContext, Role
 from vgraph_compile.symbolic import evaluate
 
@@ -31,6 +32,8 @@ class CallPlan:
     tokens: int
     ends: dict[int, int]
     """Per offsets input (by index): the row count its last entry must equal, where the graph states one."""
+    written: dict[int, int]
+    """Per input whose padding rule reads it (``padding.WRITTEN_SIZE_ROLES``): the real size of the dim it writes."""
     narrow: tuple[tuple[tuple[int, int], ...] | int | None, ...]
     """Per output: (dim, real size) pairs to narrow a tensor to, its value for an int output, or None."""
 
@@ -46,6 +49,11 @@ class _TensorContract:
     static: tuple[int | None, ...]
     """Per dim: its fixed size, or None where it varies with the call."""
 
+    @property
+    def fixed(self) -> tuple[tuple[int, int], ...]:
+        """(dim, size) of each fixed dim."""
+        return tuple((dim, size) for dim, size in enumerate(self.static) if size is not None)
+
 
 class CallChecks:
     """The checks and plans of one trace's calls; plans are cached per distinct sizes."""
@@ -55,10 +63,11 @@ class CallChecks:
         self.config = ctx.config
         self._plans: dict[tuple[int, ...], CallPlan] = {}
         self._offsets = [role for role in self.spec.inputs if role.role is Role.SEGMENT_OFFSETS]
+        self._writers = [role for role in self.spec.inputs if role.role in WRITTEN_SIZE_ROLES]
         self._max_seqlen = {
             group.offsets_input: group.max_seqlen_inputs for group in self.spec.groups if group.max_seqlen_inputs
         }
-        self._contracts = [
+        contracts = [
             _TensorContract(
                 role.index,
                 self.spec.describe_input(role.index),
@@ -69,6 +78,8 @@ class CallChecks:
             for role, value, shape in zip(self.spec.inputs, ctx.example_inputs, self.spec.input_shapes)
             if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER
         ]
+        self._contracts = [(contract, contract.fixed) for contract in contracts]
+        """Each contract with its fixed dims, read once here rather than per call."""
 
     def check(self, args: Sequence[Any]) -> CallPlan:
         """The call's plan, after its inputs passed every check (a ValueError saying what to fix otherwise)."""
@@ -102,15 +113,19 @@ class CallChecks:
             for group in self.spec.groups
             if group.ends_at is not None
         }
+        written = {
+            role.index: evaluate(role.indexed, sizes, f"the dim {self.spec.describe_input(role.index)} writes")
+            for role in self._writers
+        }
         tokens = evaluate(self.spec.token_rows, sizes, "the token rows")
-        plan = CallPlan(key, sizes, tokens, ends, tuple(narrow))
+        plan = CallPlan(key, sizes, tokens, ends, written, tuple(narrow))
         if len(self._plans) >= _PLAN_CACHE_SIZE:
             self._plans.clear()
         self._plans[key] = plan
         return plan
 
     def _check_contract(self, args: Sequence[Any]) -> None:
-        for contract in self._contracts:
+        for contract, fixed in self._contracts:
             value = args[contract.index]
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{contract.name} must be a tensor, got {type(value).__name__}")
@@ -120,9 +135,8 @@ class CallChecks:
                     f"{contract.dtype} on {contract.device}: convert it with "
                     f"{contract.name}.to(device='{contract.device}', dtype={contract.dtype})"
                 )
-            if value.dim() != len(contract.static) or any(
-                fixed is not None and size != fixed for size, fixed in zip(value.shape, contract.static)
-            ):
+            shape = value.shape
+            if len(shape) != len(contract.static) or any(shape[dim] != size for dim, size in fixed):
                 expected = ", ".join("any" if fixed is None else str(fixed) for fixed in contract.static)
                 raise ValueError(
                     f"{contract.name} has shape {tuple(value.shape)}, but the encoder takes [{expected}] "
@@ -137,9 +151,9 @@ class CallChecks:
                     f"{self.spec.describe_input(role.index)}: cu_seqlens must be 1-D with at least 2 entries [0, ..., tokens], "
                     f"got shape {tuple(offsets.shape)}"
                 )
-            if not self.config.check_values:
-                continue
-            values = offsets.tolist()
+        if not self.config.check_values or not self._offsets:
+            return
+        for role, values in zip(self._offsets, _to_host([args[role.index] for role in self._offsets])):
             end = plan.ends.get(role.index, values[-1])
             if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != end:
                 raise ValueError(
@@ -154,3 +168,16 @@ class CallChecks:
                         f"{self.spec.describe_input(index)}={args[index]} is smaller than the longest "
                         f"segment of {self.spec.describe_input(role.index)} ({longest} rows): pass the longest segment length"
                     )
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The values of 1-D tensors as lists, in one device-to-host read (on an accelerator each read waits for the
+    device: one wait per call, not one per tensor)."""
+    if len(tensors) == 1:
+        return [tensors[0].tolist()]
+    flat = torch.cat(tensors).tolist()
+    lists, start = [], 0
+    for tensor in tensors:
+        lists.append(flat[start : start + tensor.shape[0]])
+        start += tensor.shape[0]
+    return lists

@@ -26,7 +26,6 @@ import torch
 
 from vgraph_compile.compile.build import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket, BucketStats, padded_fraction
-from vgraph_compile.compile.padding import fill
 from vgraph_compile.counters import counters
 from vgraph_compile.spec import BucketShape, PassContext
 from vgraph_compile.serve.arguments import argument_rooted
@@ -152,16 +151,13 @@ class VGraphRuntime:
             self.first_outputs = outputs
         self.serves += 1
 
-    def _fill(self, bucket: Bucket, args: Sequence[Any]) -> None:
-        """Fill every buffer of the bucket from this call's arguments. Metadata is copied on every call too: a
-        tensor can change without its version counter moving (writes through ``.numpy()`` or ``.data``, a reused
-        pinned staging buffer), so no copy is skipped."""
-        for index, buffer in bucket.buffers.items():
-            fill(self.encoder.roles[index], buffer, args[index])
-
     @staticmethod
     def _narrow(outputs: Sequence[Any], plan: CallPlan) -> list[Any]:
-        """The outputs at the call's real sizes, copied out of the bucket's memory."""
+        """The outputs at the call's real sizes, copied out of the bucket's memory.
+
+        The copy (a ``clone`` per output) stays: the outputs are the captured graph's static tensors, which the
+        next call's replay overwrites, and that replay may be queued (the lock is released once the work is
+        queued) before this caller reads its results. A view would hand callers rows another call rewrites."""
         results = []
         for output, narrow in zip(outputs, plan.narrow):
             if isinstance(narrow, tuple) and isinstance(output, torch.Tensor):
@@ -194,7 +190,7 @@ class VGraphRuntime:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
                 stream.wait_event(self._done)
-            self._fill(bucket, args)
+            bucket.fill(args, plan.written)  # every call, metadata too: a tensor can change without its version counter moving
             results = self._narrow(bucket.run(self.encoder.compiled), plan)
             if stream is not None:
                 self._done = self._done or torch.cuda.Event()

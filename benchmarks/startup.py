@@ -1,0 +1,157 @@
+"""Start-up of real-size Qwen vision towers (random weights, bf16): cold and warm start, memory, host time per call.
+
+Per tower, two fresh processes on one cache directory (inductor's cache, the kernel timings and vgraph's saved
+artifacts all live under it): the first on an empty directory (cold), the second on what the first left (warm).
+Each times ``compile_vision_tower`` through its first call with every bucket captured, split into phases (the
+library functions of each phase timed where they are called):
+- analyses: ``analyze`` (sites, roles, bounds);
+- kernel_timing: ``choose_kernels`` (``attention_backend="auto"``);
+- compile: ``compile_once`` (inductor's compile, or the load of a saved artifact);
+- capture: ``capture`` (every bucket's CUDA graph);
+- trace: the rest (dynamo's trace, rewrites, buffer allocation, the tower's own Python).
+
+Then peak memory (allocated and reserved, after warm-up and the two host cases), the tower's weights, the graph
+pool, and host time per call (call to return, GPU idle before each) of 1x224^2 and 1x1344^2.
+
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+GIB = 2**30
+
+
+def _timed(module, name: str, phases: dict[str, float], phase: str) -> None:
+    """Replace ``module.name`` by a wrapper that adds its wall time (device synchronized) to ``phases[phase]``."""
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+
+    setattr(module, name, wrapper)
+
+
+def one_start(tower_kind: str, resize: dict) -> dict:
+    """One process's start of ``tower_kind``: total and phases, memory, host time per call."""
+    import vgraph_compile.compile.buckets as buckets
+    import vgraph_compile.compile.build as build
+    import vgraph_compile.compile_backend as compile_backend
+    from vgraph_compile.bench.timing import host_ms_per_call
+    from vgraph_compile.bench.workload import CASES_PX, to_grid
+    from vgraph_compile.counters import counters
+    from vgraph_compile.hf import compile_vision_tower
+    from vgraph_compile.models.qwen_towers import qwen_tower
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    phases: dict[str, float] = {}
+    _timed(compile_backend, "analyze", phases, "analyses")
+    _timed(build, "choose_kernels", phases, "kernel_timing")
+    _timed(build, "compile_once", phases, "compile")
+    _timed(buckets, "capture", phases, "capture")
+    model = qwen_tower(tower_kind, device=device, dtype=torch.bfloat16, **resize)
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    tower = compile_vision_tower(model, max_items=8, max_frames=16)
+    with torch.inference_mode():
+        tower.warmup()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    phases["trace"] = total - sum(phases.values())
+
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    host_ms = {}
+    with torch.inference_mode():
+        for case in ("1x224^2", "1x1344^2"):
+            grid_thw = torch.tensor(
+                to_grid(CASES_PX[case], config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
+            )
+            x = torch.randn(int(grid_thw.prod(-1).sum()), width, device=device, dtype=torch.bfloat16)
+            host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
+            host_ms[case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
+    report = {
+        "start_s": round(total, 2),
+        "phases_s": {name: round(seconds, 2) for name, seconds in phases.items()},
+        "weights_gib": round(weights / GIB, 3),
+        "host_ms": host_ms,
+        "counters": {name: value for name, value in counters.snapshot().items() if value},
+    }
+    if device == "cuda":
+        report |= {
+            "device": torch.cuda.get_device_name(),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
+            "pool_gib": round(sum(runtime.encoder.pool_bytes for runtime in tower.runtimes) / GIB, 3),
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("towers", nargs="+", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+    parser.add_argument("--cache-dir", required=True, help="a directory per tower is made under it (must be new)")
+    parser.add_argument("--resize", default="{}", help="config fields as JSON, for a small dry run")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    resize = json.loads(args.resize)
+    if args.one:
+        print(json.dumps(one_start(args.towers[0], resize)))
+        return {}
+    report = {"torch": torch.__version__, "towers": {}}
+    for kind in args.towers:
+        directory = os.path.join(args.cache_dir, kind)
+        if os.path.exists(directory):
+            raise SystemExit(f"{directory} exists: the cold start needs an empty cache directory")
+        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": directory}
+        environment.pop("VGRAPH_ARTIFACT_DIR", None)
+        starts = []
+        for _ in ("cold", "warm"):
+            child = subprocess.run(
+                [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize],
+                capture_output=True, text=True, env=environment,
+            )  # fmt: skip
+            if child.returncode != 0:
+                raise SystemExit(f"{kind}: the start failed:\n{child.stderr[-4000:]}")
+            starts.append(json.loads(child.stdout.strip().splitlines()[-1]))
+        cold, warm = starts
+        report["towers"][kind] = {
+            "cold_s": cold["start_s"],
+            "warm_s": warm["start_s"],
+            "phases": {"cold": cold["phases_s"], "warm": warm["phases_s"]},
+            "weights_gib": cold["weights_gib"],
+            **{key: cold[key] for key in ("device", "peak_allocated_gib", "peak_reserved_gib", "pool_gib") if key in cold},
+            "peak_warm_allocated_gib": warm.get("peak_allocated_gib"),
+            "host_ms": warm["host_ms"],
+            "counters": {"cold": cold["counters"], "warm": warm["counters"]},
+        }
+        print(json.dumps({kind: report["towers"][kind]}), flush=True)
+        if args.json:  # after each tower, so a run cut short keeps the towers done
+            with open(args.json, "w") as file:
+                json.dump(report, file, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Every fixed-tile tower family of the installed transformers, tiny and random, served by vgraph tile buckets."""
+
+import importlib
+import inspect
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vgraph_compile.counters import counters
+from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, replace_tile_tower, tile_buckets
+
+transformers = pytest.importorskip("transformers", minversion="5.23")
+
+FAMILIES = (
+    "gemma3", "paligemma", "llava_onevision", "aya_vision", "cohere2_vision", "deepseek_vl",  # SigLIP
+    "llava", "llava_next", "vipllava",  # CLIP
+    "idefics2", "idefics3", "smolvlm", "granite_docling",  # SigLIP-style with a patch mask
+    "internvl", "janus", "ovis2", "got_ocr2",
+)  # fmt: skip
+"""The VLM families whose tower takes a batch of same-size images (issue table); their towers are built from the
+families' own configs below, so a family whose tower class others share is tested once per tower class."""
+TINY = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+)
+SAM = dict(mlp_dim=64, output_channels=16, window_size=2, global_attn_indexes=[1])
+"""GOT-OCR2's SAM encoder: a windowed layer, then a global one."""
+MAX_ITEMS, EXACT_ITEMS = 10, 4
+# buckets 1, 2, 3, 4, 5, 7, 8, 10: N = 1, 2, 7 (a prime and exactly a bucket), 10 (max_items), 16 (past
+# max_items: 10 + 6, two graph calls, the 6 padded to the bucket of 7)
+CALLS = (1, 2, 7, 10, 16)
+
+
+def _set(config, values):
+    for name, value in values.items():
+        if hasattr(config, name):
+            pair = isinstance(value, int) and isinstance(getattr(config, name), (list, tuple))
+            setattr(config, name, [value, value] if pair else value)
+
+
+def tiny_tower(family: str) -> torch.nn.Module:
+    """The family's vision tower from its own vision config, shrunk; the class is the one transformers maps that
+    config to (AutoModel), else the family's module class whose config_class is that config."""
+    vision = transformers.CONFIG_MAPPING[family]().vision_config
+    _set(vision, {**TINY, **SAM})
+    try:
+        tower = transformers.AutoModel.from_config(vision)
+    except ValueError:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        (cls,) = [
+            c
+            for name, c in vars(module).items()
+            if inspect.isclass(c) and getattr(c, "config_class", None) is type(vision) and "PreTrained" not in name
+        ]
+        tower = cls(vision)
+    torch.manual_seed(0)
+    for parameter in tower.parameters():  # random weights large enough to make every layer matter
+        torch.nn.init.normal_(parameter, std=0.2)
+    return tower.eval()
+
+
+def _towers() -> dict[str, str]:
+    """One family per tower class: tower class name -> family."""
+    seen = {}
+    for family in FAMILIES:
+        if family in transformers.CONFIG_MAPPING:
+            seen.setdefault(type(tiny_tower(family)).__name__, family)
+    return seen
+
+
+TOWERS = _towers()
+SERVED = sorted(TOWERS.values())
+
+
+def _pixels(tiles: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(tiles, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_outputs_equal(got, want):
+    for name, value in want.items():
+        values = value if isinstance(value, tuple) else (value,)
+        served = getattr(got, name)
+        for mine, theirs in zip(served if isinstance(served, tuple) else (served,), values):
+            if theirs is None:
+                assert mine is None
+                continue
+            error = (mine - theirs).abs().max() / theirs.abs().max()
+            assert error <= 1e-5, f"{name}: relative error {error}"
+
+
+@given(st.integers(1, 200), st.integers(1, 16), st.sampled_from([1.1, 1.25, 1.5, 2.0]))
+def test_tile_buckets_cover_every_count_with_bounded_padding(max_items, exact_items, growth):
+    counts = tile_buckets(max_items, exact_items, growth)
+    assert counts[: min(exact_items, max_items)] == tuple(range(1, min(exact_items, max_items) + 1))
+    assert counts[-1] == max_items and list(counts) == sorted(set(counts))
+    for smaller, larger in zip(counts[exact_items - 1 :], counts[exact_items:]):
+        assert larger <= math.ceil(smaller * growth**1.5)
+
+
+def test_every_family_of_the_issue_has_a_tower_class():
+    assert {"SiglipVisionModel", "CLIPVisionModel", "Idefics3VisionTransformer", "InternVLVisionModel"} <= set(TOWERS)
+    assert all(is_tile_tower(tiny_tower(family)) for family in TOWERS.values())
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "mistral3", "qwen2_5_vl"])
+def test_variable_size_towers_are_not_tile_towers(family):
+    """SigLIP2 NaFlex (spatial_shapes), Pixtral (image_sizes) and Qwen (grid_thw) take images of several sizes."""
+    assert not is_tile_tower(tiny_tower(family))
+    with pytest.raises(ValueError, match="is not a fixed-tile tower"):
+        compile_tile_tower(tiny_tower(family))
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_tower_is_eager_equal_and_served_by_bucket_graphs(family):
+    """Every N of CALLS matches the stock tower (last_hidden_state, pooler_output, every hidden state) and is served
+    by graphs: one replay per call, two for the call past max_items."""
+    tower = tiny_tower(family)
+    compiled = compile_tile_tower(tower, max_items=MAX_ITEMS, exact_items=EXACT_ITEMS, compiler="eager")
+    assert tile_buckets(MAX_ITEMS, EXACT_ITEMS) == (1, 2, 3, 4, 5, 7, 8, 10)
+    with torch.no_grad():
+        compiled(_pixels(3), output_hidden_states=True)  # the trace
+        with counters.expect(replays=len(CALLS) + 1):
+            for tiles in CALLS:
+                pixels = _pixels(tiles, seed=tiles)
+                served = compiled(pixels, output_hidden_states=True)
+                _assert_outputs_equal(served, tower(pixels, output_hidden_states=True))
+    assert compiled.split_calls == 1 and compiled.stock_calls == 0
+
+
+def test_selected_hidden_state_is_served():
+    """LLaVA's vision_feature_layer reaches the tower as output_hidden_states=[-2]."""
+    tower = tiny_tower("llava")
+    compiled = compile_tile_tower(tower, max_items=4, compiler="eager")
+    with torch.no_grad():
+        pixels = _pixels(3)
+        got, want = compiled(pixels, output_hidden_states=[-2]), tower(pixels, output_hidden_states=[-2])
+        _assert_outputs_equal(got, want)
+        assert [h is None for h in got.hidden_states] == [h is None for h in want.hidden_states]
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_padding_tiles_with_patch_mask(family):
+    """Idefics3/SmolVLM batches: an all-zero padding image, and images smaller than the tile (a partial mask)."""
+    tower = tiny_tower(family)
+    compiled = compile_tile_tower(tower, max_items=8, compiler="eager")
+    pixels = _pixels(5)
+    pixels[3] = 0
+    mask = torch.ones(5, 4, 4, dtype=torch.bool)
+    mask[1, 2:, :] = False
+    mask[4, :, 3:] = False
+    pixels[1, :, 16:, :] = 0
+    with torch.no_grad(), counters.expect(traces=1, buckets_built=8, replays=1):
+        got = compiled(pixels, patch_attention_mask=mask)
+    _assert_outputs_equal(got, tower(pixels, patch_attention_mask=mask))
+
+
+def test_nan_tile_leaves_the_others_bit_identical():
+    tower = tiny_tower("internvl")
+    compiled = compile_tile_tower(tower, max_items=8, compiler="eager")
+    pixels = _pixels(6)
+    with torch.no_grad():
+        clean = compiled(pixels).last_hidden_state
+        pixels[2, 0, 5, 5] = float("nan")
+        pixels[4, 1, 0, 0] = float("inf")
+        poisoned = compiled(pixels).last_hidden_state
+    keep = [0, 1, 3, 5]
+    assert torch.equal(clean[keep], poisoned[keep])
+    assert poisoned[2].isnan().any()
+
+
+def test_bad_input_is_refused_in_the_users_names():
+    compiled = compile_tile_tower(tiny_tower("gemma3"), max_items=4, compiler="eager")
+    with pytest.raises(ValueError, match=r"pixel_values must be \[tiles, 3, 32, 32\]"), torch.no_grad():
+        compiled(torch.randn(2, 3, 64, 64))
+    with pytest.raises(ValueError, match="token_budgets is not a tile-tower option"):
+        compile_tile_tower(tiny_tower("gemma3"), token_budgets=(4,))
+
+
+def test_grad_calls_run_the_stock_tower():
+    tower = tiny_tower("gemma3")
+    compiled = compile_tile_tower(tower, max_items=4, compiler="eager")
+    compiled(_pixels(2)).last_hidden_state.sum().backward()
+    assert compiled.stock_calls == 1 and next(tower.parameters()).grad is not None
+    assert compiled.state_dict().keys() == tower.state_dict().keys()
+
+
+# -- whole VLMs --------------------------------------------------------------------------------------------------
+TEXT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+TEXT_VOCAB = dict(vocab_size=128, head_dim=16)
+IMAGE_TOKEN = 100
+PINPOINTS = [[64, 64], [64, 128], [128, 64], [128, 128]]
+VLMS = {
+    # family: (model class, tower path, top-level config, image processor class and its arguments, photograph)
+    "internvl": (
+        "InternVLForConditionalGeneration", "model.vision_tower", {},
+        ("GotOcr2ImageProcessorPil", dict(crop_to_patches=True, size={"height": 64, "width": 64}, max_patches=6)),
+        "astronaut",
+    ),
+    "smolvlm": (
+        "SmolVLMForConditionalGeneration", "model.vision_model", {"scale_factor": 2},
+        ("SmolVLMImageProcessorPil", dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})),
+        "chelsea",
+    ),
+    "gemma3": (
+        "Gemma3ForConditionalGeneration", "model.vision_tower", {"mm_tokens_per_image": 4},
+        ("Gemma3ImageProcessorPil", dict(size={"height": 64, "width": 64}, do_pan_and_scan=True,
+                                         pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=4,
+                                         pan_and_scan_min_ratio_to_activate=1.2)),
+        "chelsea",
+    ),
+    "llava_onevision": (
+        "LlavaOnevisionForConditionalGeneration", "model.vision_tower", {"image_grid_pinpoints": PINPOINTS},
+        ("LlavaOnevisionImageProcessorPil", dict(size={"height": 64, "width": 64},
+                                                  crop_size={"height": 64, "width": 64},
+                                                  image_grid_pinpoints=PINPOINTS)),
+        "astronaut",
+    ),
+}  # fmt: skip
+"""Each family's own image processor (its PIL backend: torchvision is not installed here) at a tile of 64 px."""
+
+
+def tiny_vlm(family: str):
+    model_class, _, top, _, _ = VLMS[family]
+    config = transformers.CONFIG_MAPPING[family]()
+    _set(config.text_config, {**TEXT, **TEXT_VOCAB})
+    _set(config.vision_config, {**TINY, "image_size": 64, "patch_size": 16})
+    _set(config, {"image_token_id": IMAGE_TOKEN, "image_token_index": IMAGE_TOKEN, **top})
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def _inputs(family: str, model) -> dict:
+    """The processor's tensors for a real photograph, and a prompt with as many image tokens as the stock model
+    makes image features (so the prompt fits whatever tiling the processor chose)."""
+    skimage_data = pytest.importorskip("skimage.data")
+    _, _, _, (processor_class, arguments), photo = VLMS[family]
+    processor = getattr(transformers, processor_class)(**arguments)
+    inputs = {
+        name: value
+        for name, value in processor(images=getattr(skimage_data, photo)(), return_tensors="pt").items()
+        if name not in ("num_patches", "num_crops")
+    }
+    with torch.no_grad():
+        features = model.model.get_image_features(**inputs).pooler_output
+    features = features if isinstance(features, (list, tuple)) else [features]
+    rows = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
+    input_ids = torch.tensor([[1] + [IMAGE_TOKEN] * rows + [5, 6, 7]])
+    return {**inputs, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+@pytest.mark.parametrize("family", sorted(VLMS))
+def test_vlm_logits_and_greedy_tokens_with_the_tile_tower(family):
+    """The model with its tower replaced gives the stock logits and greedy tokens, on the family's processor output
+    for a photograph, its state dict keys unchanged and every tower call served by bucket graphs."""
+    model = tiny_vlm(family)
+    inputs = _inputs(family, model)
+    assert inputs["pixel_values"].reshape(-1, 3, 64, 64).shape[0] > 1, "the processor should tile the photograph"
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    tower = replace_tile_tower(model, VLMS[family][1], compiler="eager", max_items=8)
+    with torch.no_grad():
+        served = model(**inputs).logits
+        served_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert ((served - logits).abs().max() / logits.abs().max()) <= 1e-5
+    assert torch.equal(served_tokens, tokens)
+    assert list(model.state_dict()) == keys
+    assert tower.stock_calls == 0 and sum(runtime.hits for runtime in tower.runtimes) >= 2
