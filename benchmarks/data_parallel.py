@@ -103,7 +103,7 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
         options = TINY_OPTIONS if args.tiny else {}
         compiled = compile_vision_tower(tower, process_group=dist.group.WORLD if ranks > 1 else None, **options)
         requests, four = workload(args, tower.config)
-        width = compiled.patch_width
+        (width,) = compiled.interface.pixel_shape
         with torch.inference_mode():
             compiled.warmup()
             for index, grid in enumerate(requests[:4] + four[:2]):  # first sight of typical shapes

@@ -1,16 +1,24 @@
+"""tower_flops counts what a tower runs, for any family: separate items add up, and the count lies between every
+weight touching each merged token once and each patch once (plus attention, bounded by its segments)."""
+
 import pytest
-import torch
 
 from vgraph_compile.bench.flops import tower_flops
+from vgraph_compile.models.hf_families import build_tower
+
+pytest.importorskip("transformers", minversion="5.23")
 
 
-def test_flops_of_the_qwen25_tower_match_two_per_parameter_and_token():
-    pytest.importorskip("transformers", minversion="5.23")
-    from vgraph_compile.models.qwen_towers import qwen_tower
-
-    with torch.device("meta"):
-        tower = qwen_tower("qwen2.5-vl", device="meta", dtype=torch.float32)
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "ernie4_5_vl_moe"])
+def test_flops_add_up_over_items_and_lie_between_the_weight_bounds(name):
+    tower = build_tower(name, tiny=True)
+    merge = tower.config.spatial_merge_size
+    image = (1, 4 * merge, 6 * merge)
+    one, three = tower_flops(tower, [image]), tower_flops(tower, [image] * 3)
+    assert three == 3 * one  # no work crosses items
+    patches = image[1] * image[2]
     parameters = sum(p.numel() for p in tower.parameters())
-    tokens = 96 * 96
-    flops = tower_flops(tower, [(1, 96, 96)])
-    assert 2 * parameters * tokens <= flops <= 1.2 * 2 * parameters * tokens  # plus attention, within 20%
+    width, layers = tower.config.hidden_size, len(tower.blocks)
+    attention_bound = 4 * patches * patches * width * layers
+    assert 2 * parameters * patches // merge**2 < one <= 2 * parameters * patches + attention_bound
+    assert tower_flops(tower, [(1, 8 * merge, 12 * merge)]) > 4 * one  # attention grows faster than the patches

@@ -5,7 +5,7 @@ from vgraph_compile.bench.oracle import ExactShape
 from vgraph_compile.bench.timing import cuda_graph_captures
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import GridMetadata
-from vgraph_compile.hf.tower_kinds import kind_of
+from vgraph_compile.hf.packed_tower import learn_packed_tower
 
 
 def test_exact_shape_graph_equals_the_routed_tower_and_serves_its_grid_only(bench_tower):
@@ -13,10 +13,10 @@ def test_exact_shape_graph_equals_the_routed_tower_and_serves_its_grid_only(benc
     second call with other pixels overwrites the buffers rather than reusing the first call's result."""
     tower = bench_tower
     grid = ((1, 8, 8), (2, 4, 8))
-    width = kind_of(tower).patch_width(tower)
+    (width,) = learn_packed_tower(tower).pixel_shape
     grid_thw = torch.tensor(grid)
     with torch.no_grad():
-        metadata = GridMetadata(tower, kind_of(tower))
+        metadata = GridMetadata(tower, learn_packed_tower(tower))
         exact = ExactShape(tower, grid, metadata, torch.full((128, width), float("nan")), "eager")
         for _ in range(2):
             pixels = torch.randn(128, width)
@@ -34,11 +34,11 @@ def test_exact_shape_graph_captures_once_and_replays_the_tower(bench_tower):
     """One CUDA graph per oracle; calls replay it (no further capture) and equal the routed tower."""
     tower = bench_tower.cuda()
     grid = ((1, 8, 8), (2, 4, 8))
-    width = kind_of(tower).patch_width(tower)
+    (width,) = learn_packed_tower(tower).pixel_shape
     grid_thw = torch.tensor(grid)
     with torch.no_grad():
         before = cuda_graph_captures()
-        metadata = GridMetadata(tower, kind_of(tower))
+        metadata = GridMetadata(tower, learn_packed_tower(tower))
         exact = ExactShape(tower, grid, metadata, torch.zeros(128, width, device="cuda"), "eager")
         assert cuda_graph_captures() - before == 1
         for _ in range(3):

@@ -91,7 +91,7 @@ CASES = {
 
 
 def _inputs(tower, grid, seed):
-    width = tower.patch_width
+    (width,) = tower.interface.pixel_shape
     patches = sum(t * h * w for t, h, w in grid)
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(patches, width, generator=generator), torch.tensor(grid, dtype=torch.int64).view(-1, 3)

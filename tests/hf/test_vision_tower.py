@@ -1,6 +1,8 @@
 """compile_vision_tower on toy Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers: equal to the eager tower (same attention
 op) on generated grids, through the one-batch, split and eager-fallback paths; input checks."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -8,7 +10,8 @@ from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
-from vgraph_compile.hf.tower_kinds import kind_of
+from vgraph_compile.hf.packed_tower import learn_packed_tower
+from vgraph_compile.models.hf_families import build_tower
 
 # (t, h, w) in patches: images and short videos, thin strips, and the smallest 2x2 merged grid (4 x 4 patches)
 rows = st.tuples(st.sampled_from([1, 1, 2, 3]), st.sampled_from([4, 4, 8, 12, 16]), st.sampled_from([4, 8, 12, 20, 4]))
@@ -25,9 +28,15 @@ def compiled(towers):
     }
 
 
+@functools.cache
+def _patch_width(tower) -> int:
+    (width,) = learn_packed_tower(tower).pixel_shape
+    return width
+
+
 def _inputs(tower, grid):
     grid_thw = torch.tensor(grid)
-    width = kind_of(tower).patch_width(tower)
+    width = _patch_width(tower)
     return torch.randn(int(grid_thw.prod(-1).sum()), width), grid_thw
 
 
@@ -81,7 +90,7 @@ def test_split_and_eager_fallback_paths(towers, compiled, name):
 )
 def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, message):
     tower = towers["qwen2-vl"]
-    width = kind_of(tower).patch_width(tower)
+    width = _patch_width(tower)
     with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
     with torch.no_grad(), pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):
@@ -98,7 +107,7 @@ def test_empty_batch(compiled, name, patch_width, deepstack):
 
 
 def test_unknown_tower_is_refused():
-    with pytest.raises(ValueError, match="is not a vision tower vgraph knows"):
+    with pytest.raises(ValueError, match="is not a vision tower vgraph can serve: its forward takes no grid"):
         compile_vision_tower(torch.nn.Linear(2, 2))
 
 
@@ -148,3 +157,24 @@ def test_a_nonfinite_pixel_stays_in_its_image(towers, compiled, name, poison):
     assert not out[:first].isfinite().all()  # the poison did reach its own image
     assert out[first:].isfinite().all()
     torch.testing.assert_close(out[first:], clean[first:], rtol=1e-6, atol=1e-6)
+
+
+@torch._dynamo.config.patch(recompile_limit=2)
+def test_many_towers_in_one_process_each_served_by_its_own_trace():
+    """Three towers compiled in one process, past dynamo's per-code recompile limit (lowered to 2, so one-block
+    towers show it cheaply; the default is 8): each traces its own forward, so every one is served by graph
+    replays, none falls back to eager."""
+    tower = build_tower("qwen2_vl", tiny=True)
+    pixel_values, grid_thw = _inputs(tower, [(1, 4, 8)])
+    with torch.no_grad():
+        ref = tower(pixel_values, grid_thw)
+    for _ in range(3):
+        served = compile_vision_tower(
+            tower, token_budgets=[64], max_items=1, compiler="eager", attention_backend="sdpa"
+        )
+        before = counters.snapshot()
+        with torch.no_grad():
+            out = served(pixel_values, grid_thw)
+        after = counters.snapshot()
+        assert after["replays"] > before["replays"] and after["eager_fallbacks"] == before["eager_fallbacks"]
+        _assert_same(out, ref)

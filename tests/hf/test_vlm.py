@@ -1,18 +1,33 @@
-"""compile_vlm on tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models: the same logits (fp32, rel <= 1e-5) and
-greedy tokens as the stock model, on inputs made by transformers' image processor from real photographs
-(scikit-image's samples) and a video clip panning over one; images, a video, both in one prompt, two prompts in
-one batch. The stock numbers are taken from the same model before compile_vlm replaces its tower."""
+"""compile_vlm on tiny random VLMs: the same logits (fp32, rel <= 1e-5) and greedy tokens as the stock model, on
+inputs made from real photographs (scikit-image's samples). Qwen2-VL, Qwen2.5-VL and Qwen3-VL: by transformers'
+Qwen2-VL image processor, with a video clip panning over one photograph; images, a video, both in one prompt, two
+prompts in one batch. Four families vgraph has no code for (cohere_compass, ernie4_5_vl_moe, exaone4_5,
+dots3_note): built from their own config classes, pixels from each family's own image processor (its PIL
+backend, no torchvision), two photographs in one prompt. The stock numbers are taken from the same model before
+compile_vlm replaces its tower."""
 
 import pytest
 import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledVisionTower, compile_vlm
-from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+from vgraph_compile.hf.vlm import find_vision_tower
+from vgraph_compile.models import family_vlms
+from vgraph_compile.models.qwen_vlms import (
+    Item,
+    Request,
+    _resized,
+    image_processor,
+    model_inputs,
+    photos,
+    qwen_vlm,
+    video_clip,
+)
 
 pytest.importorskip("skimage", reason="the sample photographs come with scikit-image")
 
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+OTHER_FAMILIES = ["cohere_compass", "ernie4_5_vl_moe", "exaone4_5", "dots3_note"]
 
 
 def _requests():
@@ -28,41 +43,62 @@ def _requests():
     }
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+def _qwen_cases(family):
+    model = qwen_vlm(family)
+    processor = image_processor(model.config, max_patches=128)
+    return model, {case: model_inputs(model, requests, processor) for case, requests in _requests().items()}
+
+
+def _family_cases(family):
+    """Two photographs resized small (the processor rounds their sides to merge units), in one prompt."""
+    model = family_vlms.build_vlm(family)
+    processor = family_vlms.image_processor(family, model)
+    photo = photos()
+    images = [_resized(photo["coffee"], (120, 180)), _resized(photo["chelsea"], (150, 100))]
+    return model, {"two images": family_vlms.image_inputs(model, processor, images)}
+
+
+@pytest.fixture(scope="module", params=QWEN + OTHER_FAMILIES)
 def served(request):
     """(family, model after compile_vlm, {case: (inputs, stock logits, stock greedy tokens)})."""
-    model = qwen_vlm(request.param)
-    processor = image_processor(model.config, max_patches=128)
+    model, inputs = (_qwen_cases if request.param in QWEN else _family_cases)(request.param)
     cases = {}
     with torch.no_grad():
-        for case, requests in _requests().items():
-            inputs = model_inputs(model, requests, processor)
-            cases[case] = (inputs, model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False))
+        for case, case_inputs in inputs.items():
+            stock = model(**case_inputs).logits, model.generate(**case_inputs, max_new_tokens=4, do_sample=False)
+            cases[case] = (case_inputs, *stock)
     keys = list(model.state_dict())
     compile_vlm(model, token_budgets=[64, 256], max_items=4, compiler="eager", attention_backend="sdpa")
     assert list(model.state_dict()) == keys
     return request.param, model, cases
 
 
-@pytest.mark.parametrize("case", ["batch of 2, mixed", "video"])
-def test_same_logits_and_greedy_tokens_as_stock(served, case):
+def _tower(model):
+    owner, attribute = find_vision_tower(model)
+    return getattr(owner, attribute)
+
+
+def test_same_logits_and_greedy_tokens_as_stock(served):
     family, model, cases = served
-    inputs, logits, tokens = cases[case]
-    tower = model.model.visual
+    tower = _tower(model)
     assert isinstance(tower, CompiledVisionTower)
-    before = counters.snapshot()["replays"]
-    with torch.no_grad():
-        mine = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    assert counters.snapshot()["replays"] > before and tower.stock_calls == 0
-    torch.testing.assert_close(mine, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
-    assert torch.equal(generated, tokens)
+    for case, (inputs, logits, tokens) in cases.items():
+        before = counters.snapshot()["replays"]
+        with torch.no_grad():
+            mine = model(**inputs).logits
+            generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert counters.snapshot()["replays"] > before and tower.stock_calls == 0, case
+        torch.testing.assert_close(mine, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
+        assert torch.equal(generated, tokens), case
 
 
 def test_features_keep_the_towers_output_class(served):
     """get_image_features / get_video_features: the tower's own output class, per-item features equal to the stock
-    tower's (Qwen3-VL: deepstack features too)."""
+    tower's (Qwen3-VL: deepstack features too). The Qwen models: the other families' feature methods project the
+    tower's output to the text width."""
     family, model, cases = served
+    if family not in QWEN:
+        pytest.skip("get_image_features returns projected features in this family")
     inputs = cases["batch of 2, mixed"][0]
     tower = model.model.visual.tower
     with torch.no_grad():
@@ -84,15 +120,17 @@ def test_features_keep_the_towers_output_class(served):
 
 def test_grad_enabled_forward_runs_the_stock_tower(served):
     family, model, cases = served
-    inputs = cases["video"][0]
-    tower = model.model.visual
+    case = next(iter(cases))
+    inputs = cases[case][0]
+    tower = _tower(model)
     before = tower.stock_calls
     with counters.expect():
         logits = model(**inputs).logits
-    assert tower.stock_calls == before + 1 and logits.grad_fn is not None
-    torch.testing.assert_close(logits.detach(), cases["video"][1], rtol=1e-5, atol=1e-5 * logits.abs().max().item())
+    modalities = sum(key in inputs for key in ("pixel_values", "pixel_values_videos"))  # one tower call each
+    assert tower.stock_calls == before + modalities and logits.grad_fn is not None
+    torch.testing.assert_close(logits.detach(), cases[case][1], rtol=1e-5, atol=1e-5 * logits.abs().max().item())
 
 
 def test_unknown_model_is_refused():
-    with pytest.raises(ValueError, match="compile_vlm got a Linear; it knows Qwen2VLForConditionalGeneration"):
+    with pytest.raises(ValueError, match="compile_vlm found no vision tower in Linear"):
         compile_vlm(torch.nn.Linear(2, 2))

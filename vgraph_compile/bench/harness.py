@@ -134,5 +134,5 @@ def _measure(factory, workload: Workload, result: Result, deadline: float, args,
         result.extra["padded_fraction"] = round(padded_fraction(stats), 3)
         result.extra["buckets"] = fn.stats_table()
         if peak is not None and "1x1344^2" in result.cases_ms:
-            flops = tower_flops(workload.tower, workload.cases["1x1344^2"])
+            flops = tower_flops(workload.tower, workload.cases["1x1344^2"], workload.interface)
             result.extra["mfu_1x1344"] = round(flops / result.cases_ms["1x1344^2"] / 1e9 / peak, 3)

@@ -11,8 +11,7 @@ from vgraph_compile.bench.result import AfterWarmup, Result
 from vgraph_compile.bench.timing import check_deadline, host_ms_per_call, median_ms, synchronize
 from vgraph_compile.bench.workload import Workload
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.grid_metadata import GridMetadata, grid_of
-from vgraph_compile.hf.tower_kinds import Grid, kind_of
+from vgraph_compile.hf.grid_metadata import Grid, GridMetadata, grid_of
 from vgraph_compile.hf.vision_tower import TowerCall
 
 __all__ = ["ExactShape", "measure_oracle"]
@@ -32,7 +31,7 @@ class ExactShape:
             name: value.clone() if isinstance(value, torch.Tensor) else value
             for name, value in {"pixel_values": pixel_values, **metadata(grid, pixel_values.device)}.items()
         }
-        self.compiled = torch.compile(TowerCall(tower), dynamic=False, backend=backend)
+        self.compiled = torch.compile(TowerCall(tower, metadata.interface), dynamic=False, backend=backend)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = self._run()
         if pixel_values.is_cuda:
@@ -72,7 +71,7 @@ class ExactShape:
 
 def measure_oracle(workload: Workload, result: Result, deadline: float, args) -> None:
     """One ``ExactShape`` per fixed case: its warm-up (compile and capture), median time and host time."""
-    metadata = GridMetadata(workload.tower, kind_of(workload.tower))
+    metadata = GridMetadata(workload.tower, workload.interface)
     warmups = []
     for case, grid in workload.cases.items():
         x, grid_thw = workload.inputs(grid)

@@ -9,7 +9,6 @@ import torch
 from vgraph_compile.bench.workload import Workload
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import GridMetadata, grid_of
-from vgraph_compile.hf.tower_kinds import kind_of
 from vgraph_compile.hf.vision_tower import TowerCall, compile_vision_tower
 
 __all__ = ["SYSTEMS", "NEEDS_CUDA", "routed_compile", "factories"]
@@ -31,7 +30,7 @@ NEEDS_CUDA = {"torch_compile_reduce_overhead": "it records inductor's CUDA graph
 def routed_compile(tower: torch.nn.Module, metadata: GridMetadata, backend: str = "inductor") -> Callable:
     """``torch.compile(dynamic=True)`` of the tower with vgraph's attention routing and host-side metadata:
     ``(pixel_values, grid_thw) -> (pooler_output, last_hidden_state, *deepstack)``."""
-    compiled = torch.compile(TowerCall(tower), dynamic=True, backend=backend)
+    compiled = torch.compile(TowerCall(tower, metadata.interface), dynamic=True, backend=backend)
 
     def call(pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         with routed_attention(tower):
@@ -55,7 +54,7 @@ def factories(workload: Workload, args) -> dict[str, Callable[[], Callable]]:
         "hf_eager_sdpa": lambda: stock(tower),
         "eager_varlen": lambda: routed,
         "torch_compile_routed": lambda: routed_compile(
-            tower, GridMetadata(tower, kind_of(tower)), args.compile_backend
+            tower, GridMetadata(tower, workload.interface), args.compile_backend
         ),
         "torch_compile_dynamic": lambda: stock(torch.compile(tower, dynamic=True, backend=args.compile_backend)),
         "torch_compile_reduce_overhead": lambda: stock(torch.compile(tower, mode="reduce-overhead")),

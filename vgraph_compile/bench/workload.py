@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
 import torch
 
-from vgraph_compile.hf.tower_kinds import kind_of
+from vgraph_compile.hf.packed_tower import PackedTower, learn_packed_tower
 
 __all__ = ["CASES_PX", "to_grid", "random_requests", "Workload"]
 
@@ -64,8 +65,13 @@ class Workload:
         """The smallest fixed case: where host time per call is measured."""
         return min(self.cases, key=lambda case: sum(t * h * w for t, h, w in self.cases[case]))
 
+    @functools.cached_property
+    def interface(self) -> PackedTower:
+        """What vgraph learns from the tower (its pixel row shape, grid metadata plan), learned once."""
+        return learn_packed_tower(self.tower)
+
     def inputs(self, grid) -> tuple[torch.Tensor, torch.Tensor]:
         grid_thw = torch.tensor(grid)
-        width = kind_of(self.tower).patch_width(self.tower)
-        pixels = torch.randn(int(grid_thw.prod(-1).sum()), width, device=self.device, dtype=self.dtype)
+        shape = self.interface.pixel_shape
+        pixels = torch.randn(int(grid_thw.prod(-1).sum()), *shape, device=self.device, dtype=self.dtype)
         return pixels, grid_thw

@@ -1,10 +1,14 @@
-"""Hugging Face integration: ``compile_vlm(model)`` for whole Qwen2-VL, Qwen2.5-VL and Qwen3-VL(-MoE) models, and
-``compile_vision_tower(model.visual)`` for their vision towers, unmodified, with their own weights.
+"""Hugging Face integration: ``compile_vlm(model)`` for a whole transformers VLM whose vision tower packs
+variable-size images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL,
+EXAONE 4.5, dots3, Cohere Compass, Kimi K2.5...), and ``compile_vision_tower(tower)`` for such a tower, unmodified,
+with its own weights. Nothing is per family: the tower's grid metadata, geometry and outputs are learned from the
+tower (``packed_tower``); a tower vgraph cannot serve is refused with a ``ValueError`` naming the reason.
 
 ``tower = compile_vision_tower(model.visual, token_budgets=[...], max_items=8)`` then
-``tower(pixel_values, grid_thw)`` returns what ``model.visual(pixel_values, grid_thw)`` returns (pooler_output,
-last_hidden_state, Qwen3's deepstack_features), from CUDA graphs. Requires transformers >= 5.23 (the towers
-accept precomputed grid metadata as keywords).
+``tower(pixel_values, grid_thw)`` returns what ``model.visual(pixel_values, grid_thw)`` returns (the tower's own
+output object), from CUDA graphs. A tower whose stock forward fails on videos is served on images only, and a
+video call is refused with the reason. Requires transformers >= 5.23 (the towers accept precomputed grid metadata
+as keywords).
 """
 
 from vgraph_compile.hf.attention import routed_attention

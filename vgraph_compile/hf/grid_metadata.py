@@ -1,7 +1,12 @@
 """The grid metadata cache: a tower's ``grid_thw``-derived keywords, computed on the host once per distinct grid.
 
-Invariant: a cached entry is exactly what ``TowerKind.metadata`` returns for that grid, moved to the device it
-was asked for; at most ``size`` entries are kept (the least recently used one goes first).
+Which keywords a tower pops, and how each is computed from the grid, is the tower's learned plan
+(``PackedTower.metadata``, from ``metadata_plan``); this module only computes and keeps them. The routed attention
+is on while computing, so ``get_max_seqlen`` computes ``max_seqlen`` as it does in the trace.
+
+Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid, moved to the
+device it was asked for, as plain tensors (outside inference mode: they keep a version counter, so the runtime
+skips re-copying them); at most ``size`` entries are kept (the least recently used one goes first).
 """
 
 from __future__ import annotations
@@ -10,9 +15,13 @@ import collections
 
 import torch
 
-from vgraph_compile.hf.tower_kinds import Grid, TowerKind
+from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.packed_tower import PackedTower
 
-__all__ = ["GridMetadata", "grid_of"]
+__all__ = ["Grid", "GridMetadata", "grid_of"]
+
+Grid = tuple[tuple[int, int, int], ...]
+"""``grid_thw`` as a hashable tuple of (t, h, w) rows, in patches."""
 
 
 def grid_of(grid_thw: torch.Tensor) -> Grid:
@@ -23,8 +32,8 @@ def grid_of(grid_thw: torch.Tensor) -> Grid:
 class GridMetadata:
     """``(grid, device) -> the tower's grid metadata keywords on that device``, cached."""
 
-    def __init__(self, tower: torch.nn.Module, kind: TowerKind, size: int = 1024) -> None:
-        self.tower, self.kind, self.size = tower, kind, size
+    def __init__(self, tower: torch.nn.Module, interface: PackedTower, size: int = 1024) -> None:
+        self.tower, self.interface, self.size = tower, interface, size
         self._entries: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
 
     def __call__(self, grid: Grid, device: torch.device | str) -> dict:
@@ -32,8 +41,8 @@ class GridMetadata:
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]
-        with torch.inference_mode(False):  # plain tensors, usable outside inference mode too
-            host = self.kind.metadata(self.tower, torch.tensor(grid, dtype=torch.int64))
+        with torch.inference_mode(False), routed_attention(self.tower):
+            host = self.interface.metadata.compute(torch.tensor(grid, dtype=torch.int64))
             metadata = {
                 name: value.to(key[1]) if isinstance(value, torch.Tensor) else value for name, value in host.items()
             }

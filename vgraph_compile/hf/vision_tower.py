@@ -1,14 +1,18 @@
-"""``CompiledVisionTower``: a Qwen vision tower served by vgraph bucket graphs.
+"""``CompiledVisionTower``: a packed vision tower of any transformers family, served by vgraph bucket graphs.
 
 Per call: check the inputs (before anything runs), pack the items into batches that fit the largest bucket,
-take each batch's grid metadata from the cache (computed on the host once per distinct batch grid), run the
-compiled tower, and put every item's rows back in the caller's order.
+take each batch's grid metadata from the cache (computed on the host once per distinct batch grid, by the plan
+learned from the tower: ``packed_tower``; cached by ``grid_metadata``), run the compiled tower, and put every
+item's rows back in the caller's order. On a tower served on images only, a grid row with t > 1 is refused by the
+input check, before anything runs, with the reason its video failed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import types
 from typing import Any
 
 import torch
@@ -17,25 +21,19 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.grid_metadata import GridMetadata
+from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
+from vgraph_compile.hf.packed_tower import (
+    PackedTower,
+    grid_argument,
+    learn_packed_tower,
+    metadata_leaves,
+    rows_per_unit,
+)
 from vgraph_compile.hf.packing import Batch, pack
-from vgraph_compile.hf.tower_kinds import Grid, TowerKind, hidden_width, kind_of
 
-__all__ = ["CompiledVisionTower", "compile_vision_tower", "TowerCall"]
+__all__ = ["CompiledVisionTower", "TowerCall", "compile_vision_tower", "is_packed_tower"]
 
 log = logging.getLogger(__name__)
-
-_METADATA_KEYS = (
-    "position_ids",
-    "cu_seqlens",
-    "max_seqlen",
-    "window_index",
-    "cu_window_seqlens",
-    "max_window_seqlen",
-    "interp_indices",
-    "interp_weights",
-)
-
 
 def _row_starts(grid) -> list[int]:
     """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
@@ -46,47 +44,37 @@ def _row_starts(grid) -> list[int]:
 
 
 class TowerCall(torch.nn.Module):
-    """The traced forward: the tower with every grid-dependent value passed in, so nothing syncs the host.
+    """The traced forward: the tower with its grid withheld and every grid-derived value passed in, so nothing
+    syncs the host; returns the output fields flat (list fields expanded).
 
-    The ``torch._check`` calls state what holds by construction (one position id, interpolation row per patch;
-    one window-index entry per merged token), so the trace gives those lengths one symbol.
+    The ``torch._check`` calls state what holds by construction (one position id per patch, one window-index entry
+    per merged token: the learned ``metadata_patches_per_row``), so the trace gives those lengths one symbol.
+
+    Each instance's ``forward`` has its own code object: dynamo keeps traces, and counts its recompile limit, per
+    code object, so towers compiled in one process never share (and exhaust) one forward's trace cache.
     """
 
-    def __init__(self, tower: torch.nn.Module) -> None:
+    def __init__(self, tower: torch.nn.Module, interface: PackedTower) -> None:
         super().__init__()
         self.tower = tower
-        self.merge_unit = tower.spatial_merge_size**2
+        self.grid_argument = interface.grid_argument
+        self.relations = interface.metadata_patches_per_row
+        self.fields = [field.name for field in interface.outputs]
+        shared = type(self).forward
+        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
+        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
 
-    def forward(
-        self,
-        pixel_values,
-        position_ids,
-        cu_seqlens,
-        max_seqlen,
-        window_index=None,
-        cu_window_seqlens=None,
-        max_window_seqlen=None,
-        interp_indices=None,
-        interp_weights=None,
-    ):
+    def forward(self, pixel_values, **metadata):
         patches = pixel_values.shape[0]
-        for per_patch in (position_ids, interp_indices, interp_weights):
-            if per_patch is not None:
-                torch._check(per_patch.shape[0] == patches)
-        if window_index is not None:
-            torch._check(window_index.shape[0] * self.merge_unit == patches)
-        given = dict(
-            position_ids=position_ids,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen,
-            window_index=window_index,
-            cu_window_seqlens=cu_window_seqlens,
-            max_window_seqlen=max_window_seqlen,
-            interp_indices=interp_indices,
-            interp_weights=interp_weights,
-        )
-        out = self.tower(pixel_values, None, **{name: value for name, value in given.items() if value is not None})
-        return (out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ()))
+        for (key, part), per_row in self.relations.items():
+            value = metadata_leaves(metadata[key])[part]
+            torch._check((value.shape[0] if isinstance(value, torch.Tensor) else value) * per_row == patches)
+        out = self.tower(pixel_values, **{self.grid_argument: None}, **metadata)
+        flat = []
+        for name in self.fields:
+            value = out[name]
+            flat.extend(value if isinstance(value, (list, tuple)) else (value,))
+        return tuple(flat)
 
 
 class CompiledVisionTower(torch.nn.Module):
@@ -97,7 +85,9 @@ class CompiledVisionTower(torch.nn.Module):
     ``named_parameters``) is the tower's own, and ``.to()``, ``eval()``, ``parameters()`` act on the tower's
     tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
     lists) are read from the tower. Calls with grad enabled, in training mode, or with keywords other than
-    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention.
+    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention; a
+    keyword that is None or False asks for nothing (a MoE model's ``output_router_logits=False``, ``use_cache=None``)
+    and is dropped.
 
     With a ``process_group``, every rank of it must call with the same batch: each encodes its share of the items
     and every rank returns the whole output (``vgraph_compile.hf.data_parallel``). Set it to None to encode
@@ -107,6 +97,7 @@ class CompiledVisionTower(torch.nn.Module):
     def __init__(
         self,
         tower: torch.nn.Module,
+        interface: PackedTower,
         config: VGraphConfig,
         metadata_cache_size: int = 1024,
         process_group: Any = None,
@@ -118,14 +109,11 @@ class CompiledVisionTower(torch.nn.Module):
         self._non_persistent_buffers_set = tower._non_persistent_buffers_set
         self._modules = tower._modules
         self.training = tower.training
-        self.kind: TowerKind = kind_of(tower)
-        self.output_class = self.kind.output_class(tower)
-        """The tower's own output type (BaseModelOutputWithPooling, or Qwen3's with deepstack features)."""
+        self.interface = interface
+        """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
         self.vgraph_config = config
         self.geometry = config.geometry
-        self.grid_metadata = GridMetadata(tower, self.kind, metadata_cache_size)
-        self.patch_width = self.geometry.patch_width(tower.config.in_channels)
-        self.out_width = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+        self.grid_metadata = GridMetadata(tower, interface, metadata_cache_size)
         self.split_calls = 0
         self.stock_calls = 0
         self.process_group = process_group
@@ -135,7 +123,7 @@ class CompiledVisionTower(torch.nn.Module):
 
     def _compile(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
-        self.__dict__["compiled"] = encoder(TowerCall(self.tower), config=self.vgraph_config)
+        self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=self.vgraph_config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.grid_metadata.clear()
@@ -189,9 +177,18 @@ class CompiledVisionTower(torch.nn.Module):
                     f"grid_thw[{index}] = {(t, h, w)}: t, h, w must be positive and h, w multiples of the spatial "
                     f"merge size {merge} (the image processor resizes images to that)"
                 )
-        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.patch_width:
+        video_failure = self.interface.video_failure
+        videos = [index for index, (t, _, _) in enumerate(grid) if t > 1]
+        if videos and video_failure:
             raise ValueError(
-                f"pixel_values must be [patches, {self.patch_width}] (channels x temporal patch x patch x patch), "
+                f"grid_thw[{videos[0]}] = {grid[videos[0]]} has {grid[videos[0]][0]} frames, but "
+                f"{type(self.tower).__name__} serves images only (t = 1): {video_failure}. Pass videos one frame per "
+                "row, as its model's get_video_features does"
+            )
+        shape = self.interface.pixel_shape
+        if tuple(pixel_values.shape[1:]) != shape:
+            raise ValueError(
+                f"pixel_values must be [patches, {', '.join(map(str, shape))}] (the processor's patch rows), "
                 f"got {tuple(pixel_values.shape)}"
             )
         rows = sum(t * h * w for t, h, w in grid)
@@ -221,17 +218,18 @@ class CompiledVisionTower(torch.nn.Module):
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         grid = ((1, side, 2 * side),)
         parameter = self.parameter
-        pixel_values = torch.randn(2 * side * side, self.patch_width, device=parameter.device, dtype=parameter.dtype)
+        shape = (2 * side * side, *self.interface.pixel_shape)
+        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
-        metadata = self.grid_metadata(grid, pixel_values.device)
-        return self.compiled(pixel_values, *(metadata.get(name) for name in _METADATA_KEYS))
+        return self.compiled(pixel_values, **self.grid_metadata(grid, pixel_values.device))
 
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
         """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
         return_dict = kwargs.pop("return_dict", True)
+        kwargs = {name: value for name, value in kwargs.items() if value is not None and value is not False}
         if kwargs or self.training or torch.is_grad_enabled():
             self.stock_calls += 1
             if kwargs:
@@ -245,20 +243,21 @@ class CompiledVisionTower(torch.nn.Module):
             return self._serve_data_parallel(pixel_values, grid_thw)
         grid = self._check(pixel_values, grid_thw)
         self.warmup()
-        return self._output(*self._encode(pixel_values, grid))
+        return self._output(self._encode(pixel_values, grid))
 
-    def _encode(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]):
-        """(pooler_output, last_hidden_state, deepstack levels) of the checked items, on this rank."""
+    def _encode(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """The flat output fields of the checked items, on this rank."""
         if not grid:
-            empty = pixel_values.new_empty(0, self.out_width)
-            hidden = pixel_values.new_empty(0, hidden_width(self.tower.config))
-            return empty, hidden, [empty] * len(getattr(self.tower, "deepstack_merger_list", ()))
+            return [
+                pixel_values.new_empty(0, *field.width)
+                for field in self.interface.outputs
+                for _ in range(field.count or 1)
+            ]
         config = self.vgraph_config
         batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
         with self._routing():
             if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
-                outputs = self._run(pixel_values, tuple(grid))
-                return outputs[0], outputs[1], list(outputs[2:])
+                return list(self._run(pixel_values, tuple(grid)))
             self.split_calls += 1
             return self._split(pixel_values, grid, batches)
 
@@ -284,51 +283,53 @@ class CompiledVisionTower(torch.nn.Module):
         assignment = data_parallel.assign(grid, ranks)
         self.load_stats.record(assignment)
         if not grid:
-            return self._output(*self._encode(pixel_values, grid))
+            return self._output(self._encode(pixel_values, grid))
         mine = assignment.items[rank]
         starts = _row_starts(grid)
         rows = [pixel_values[starts[i] : starts[i + 1]] for i in mine]
         local = self._encode(torch.cat(rows) if rows else pixel_values[:0], [grid[i] for i in mine])
-        pooled, hidden, deepstack = local
-        merge = self.geometry.spatial_merge_size**2
-        units = [(starts[i + 1] - starts[i]) // merge for i in range(len(grid))]
-        fields = data_parallel.gather(
-            [pooled, hidden, *deepstack], [1, merge, *([1] * len(deepstack))], units, assignment, rank, group
-        )
-        return self._output(fields[0], fields[1], fields[2:])
+        unit, folds = rows_per_unit(self.interface.outputs)
+        units = [(starts[i + 1] - starts[i]) // unit for i in range(len(grid))]
+        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+        return self._output(data_parallel.gather(local, flat_folds, units, assignment, rank, group))
 
     def _routing(self) -> contextlib.AbstractContextManager:
         """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
         return contextlib.nullcontext() if self.compiled.traced else routed_attention(self.tower)
 
-    def _split(self, pixel_values, grid, batches: list[Batch]):
-        """Each batch's outputs, put back per item in the caller's order. Qwen2.5-VL's window permutation keeps
-        each item's rows together, in item order, so its ``last_hidden_state`` comes out as one call gives it."""
-        merge = self.geometry.spatial_merge_size**2
+    def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
+        """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
+        keeps each item's rows together, in item order, so ``last_hidden_state`` comes out as one call gives it."""
         starts = _row_starts(grid)
-        pooled: list[Any] = [None] * len(grid)
-        hidden: list[Any] = [None] * len(grid)
-        deep: list[list[Any]] = []
+        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
+        pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
         for batch in batches:
             rows = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in batch.items])
             outputs = self._run(rows, tuple(grid[i] for i in batch.items))
             offset = 0
             for index in batch.items:
                 size = starts[index + 1] - starts[index]
-                pooled[index] = outputs[0][offset // merge : (offset + size) // merge]
-                hidden[index] = outputs[1][offset : offset + size]
-                for level, feature in enumerate(outputs[2:]):
-                    if len(deep) <= level:
-                        deep.append([None] * len(grid))
-                    deep[level][index] = feature[offset // merge : (offset + size) // merge]
+                for flat, output in enumerate(outputs):
+                    pieces[flat][index] = output[offset // per_row[flat] : (offset + size) // per_row[flat]]
                 offset += size
-        return torch.cat(pooled), torch.cat(hidden), [torch.cat(level) for level in deep]
+        return [torch.cat(field) for field in pieces]
 
-    def _output(self, pooled, last_hidden, deepstack):
-        fields = {"last_hidden_state": last_hidden, "pooler_output": pooled}
-        if self.kind.deepstack:
-            fields["deepstack_features"] = list(deepstack)
-        return self.output_class(**fields)
+    def _output(self, flat: list[torch.Tensor]):
+        """The tower's own output object from the flat fields."""
+        fields, position = {}, 0
+        for field in self.interface.outputs:
+            if field.count is None:
+                fields[field.name] = flat[position]
+                position += 1
+            else:
+                fields[field.name] = list(flat[position : position + field.count])
+                position += field.count
+        return self.interface.output_class(**fields)
+
+
+def is_packed_tower(tower: torch.nn.Module) -> bool:
+    """Whether ``tower`` takes packed patch rows with a grid (``grid_thw``, ``image_grid_thw``...) and a config."""
+    return isinstance(tower, torch.nn.Module) and hasattr(tower, "config") and grid_argument(tower) is not None
 
 
 def compile_vision_tower(
@@ -351,14 +352,24 @@ def compile_vision_tower(
     rank calls with the same full batch and gets the full output, equal to a single-process call; each encodes
     a share of the items balanced by patches (``vgraph_compile.hf.data_parallel``). None: this process alone.
     """
-    kind = kind_of(tower)
+    if isinstance(tower, CompiledVisionTower):
+        tower = tower.tower
+    if not is_packed_tower(tower):
+        # fixed-tile towers (pixel_values [N, C, H, W]) get their own branch here
+        raise ValueError(
+            f"{type(tower).__name__} is not a vision tower vgraph can serve: its forward takes no grid "
+            "(grid_thw, image_grid_thw...) of packed variable-size images. Pass the vision tower of a transformers "
+            "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
+        )
+    interface = learn_packed_tower(tower)
+    log.info("%s: grid metadata %s", type(tower).__name__, interface.metadata.describe())
     config = VGraphConfig(
         token_budgets=tuple(token_budgets) if token_budgets is not None else None,
-        geometry=kind.geometry(tower),
+        geometry=interface.geometry,
         max_items=max_items,
         max_frames=max(max_items, 16) if max_frames is None else max_frames,
         max_segments=options.pop("max_segments", max_items),
         check_values=options.pop("check_values", False),
         **options,
     )
-    return CompiledVisionTower(tower, config, process_group=process_group)
+    return CompiledVisionTower(tower, interface, config, process_group=process_group)

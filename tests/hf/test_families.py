@@ -1,0 +1,92 @@
+"""Every transformers family whose vision tower uses ``transformers.vision_utils`` (found by reading the installed
+transformers), as a tiny random tower built from its own config class: served by bucket graphs and equal to the
+eager tower (same attention op, fp32 rel <= 1e-5) over an image, a video, a one-merge-unit image and a mixed,
+split call; a tower whose stock forward fails on videos is served on images and refuses a video per call; or the
+tower is refused with a ValueError naming its own reason, before anything is compiled."""
+
+import re
+
+import pytest
+import torch
+
+from vgraph_compile.counters import counters
+from vgraph_compile.hf import compile_vision_tower, routed_attention
+from vgraph_compile.models.hf_families import build_tower, vision_utils_families
+
+REFUSED = {
+    "cosmos3_edge": r"reads a grid-derived tensor on the host \(tolist\)",
+    "hunyuan_vl": r"reads a grid-derived tensor on the host \(tolist\)",
+    "hy_v4_vl": r"reads a grid-derived tensor on the host \(__int__\)",
+    "lfm3_vl": r"reads a grid-derived tensor on the host \(tolist\)",
+    "glm4v": r"uses grid_thw outside its metadata functions .* at models/glm4v/.*image_shapes\[seq_ids",
+    "glm4v_moe": r"uses grid_thw outside its metadata functions .* at models/glm4v_moe/.*image_shapes\[seq_ids",
+    "glm_image": r"uses grid_thw outside its metadata functions .* at models/glm_image/.*image_shapes\[seq_ids",
+    "muse_glimmer": r"uses grid_thw outside its metadata functions .* at models/muse_glimmer/",
+    "muse_spark": r"uses grid_thw outside its metadata functions .* at models/muse_spark/",
+    "glm_ocr": r"budget 256 breaks the traced constraint \(\(pixel_values.shape\[0\]//4\)\) < 16",
+    "glm5_next": r"budget 256 breaks the traced constraint \(\(pixel_values.shape\[0\]//4\)\) < 16",
+    "paddleocr_vl": r"its pixel_values carry a leading batch dim \(\[1, patches, 3, 14, 14\]\)",
+    "inkling2": r"no pixel row layout derived from its config fits its patch embedding",
+    "minimax_m3_vl": r"its output last_hidden_state has no fixed number of rows per patch",
+    "video_llama_3": r"its forward takes \['merge_sizes'\] besides the pixel rows and grid_thw",
+    "minicpm_ocr": r"its forward takes no grid",
+    "minicpmv4_6": r"its forward takes no grid",
+    "minicpmv4_7": r"its forward takes no grid",
+    "step3p7": r"its forward takes no grid",
+}
+"""Families refused today (README table), each with the reason its ValueError must name."""
+IMAGES_ONLY = {"kimi_k25"}
+"""Families served on images whose stock tower fails on (or does not scale with) more than one frame."""
+
+
+def _assert_same(out, ref):
+    assert type(out) is type(ref)
+    for name, value in ref.items():
+        mine = out[name]
+        for a, b in zip(*(v if isinstance(v, (list, tuple)) else [v] for v in (mine, value))):
+            assert not a.isnan().any()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def _refused(name, tower):
+    m = 2
+    grid_thw = torch.tensor([(1, 4 * m, 6 * m)])
+    before = counters.snapshot()["replays"]
+    with pytest.raises(ValueError, match=REFUSED[name]):  # at compile, or at the trace of the first call
+        served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+        with torch.no_grad():
+            served(torch.randn(int(grid_thw.prod()), *served.interface.pixel_shape), grid_thw)
+    assert counters.snapshot()["replays"] == before
+
+
+@pytest.mark.parametrize("name", sorted(vision_utils_families()))
+def test_served_equal_to_eager_or_refused(name):
+    """Two calls on one trace: an image, a video (a frame-per-row image on image-only towers) and a
+    one-merge-unit image in one graph call; then five items, more than ``max_items``, split over graph calls."""
+    tower = build_tower(name, tiny=True)
+    if name in REFUSED:
+        return _refused(name, tower)
+    served = compile_vision_tower(tower, token_budgets=[256], max_items=3, compiler="eager", attention_backend="sdpa")
+    assert (served.interface.video_failure is not None) == (name in IMAGES_ONLY)
+    m = served.geometry.spatial_merge_size
+    t = 1 if name in IMAGES_ONLY else 2
+    shape = served.interface.pixel_shape
+    if name in IMAGES_ONLY:
+        refusal = r"grid_thw\[1\] = \(3, .* has 3 frames, but .* images only"
+        with torch.no_grad(), pytest.raises(ValueError, match=refusal):
+            served(torch.randn(4 * m * m, *shape), torch.tensor([(1, m, m), (3, m, m)]))
+    cases = {
+        "one graph call": [(1, 4 * m, 6 * m), (t, 2 * m, 2 * m), (1, m, m)],
+        "split": [(1, 4 * m, 4 * m), (1, 2 * m, 2 * m), (t, m, 2 * m), (1, m, m), (1, 2 * m, m)],
+    }
+    for case, grid in cases.items():
+        grid_thw = torch.tensor(grid)
+        pixel_values = torch.randn(int(grid_thw.prod(-1).sum()), *shape)
+        before = counters.snapshot()["replays"], served.split_calls
+        with torch.no_grad():
+            out = served(pixel_values, grid_thw)
+            with routed_attention(tower):
+                ref = tower(pixel_values, grid_thw)
+        assert counters.snapshot()["replays"] > before[0], case  # graphs served it, not the eager tower
+        assert served.split_calls - before[1] == (case == "split"), case
+        _assert_same(out, ref)

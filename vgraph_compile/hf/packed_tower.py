@@ -1,0 +1,315 @@
+"""What vgraph learns about a packed vision tower (one that takes ``(pixel rows, grid)``) before serving it.
+
+``learn_packed_tower(tower)`` reads the forward's signature (which argument is the grid), the config's geometry
+(patch, temporal patch, merge; the window size when the tower builds windows), the pixel row layout
+(``[patches, C*T*P*P]`` or ``[patches, C, (T,) P, P]``, the one the tower accepts), the grid metadata plan
+(``metadata_plan``), and the output's fields with their rows per patch. It then checks the plan on a second grid
+(a video and a one-merge-unit image): the tower called with the grid withheld and the planned metadata passed in
+must give exactly the stock outputs, so nothing it reads from the grid escapes the plan.
+
+Image-only towers: when that check fails on the video (the stock tower itself fails on more than one frame, or its
+rows do not scale with frames), it is made on two images instead, and ``PackedTower.video_failure`` keeps the
+video's reason: the tower is served on images only, and a grid with t > 1 is refused per call with that reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vgraph_compile.geometry import VisionGeometry
+from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.metadata_plan import MetadataPlan, TowerRefused, record_metadata
+
+__all__ = [
+    "OutputField",
+    "PackedTower",
+    "config_geometry",
+    "grid_argument",
+    "learn_packed_tower",
+    "metadata_leaves",
+    "rows_per_unit",
+]
+
+_MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")
+"""Config fields that hold the spatial merge (an int, or a square kernel as equal ints), as the vision_utils
+families spell it."""
+_TEMPORAL_FIELDS = ("temporal_patch_size", "patch_temporal")
+_CHANNEL_FIELDS = ("in_channels", "num_channels")
+_WINDOW_KEY = "cu_window_seqlens"
+"""The metadata key of window-attention offsets (``get_vision_window_index``'s)."""
+
+
+def grid_argument(tower: torch.nn.Module) -> str | None:
+    """The forward's grid argument (``grid_thw``, ``image_grid_thw``...): the first one named ``*grid*``."""
+    names = list(inspect.signature(type(tower).forward).parameters)[1:]
+    return next((name for name in names if "grid" in name), None)
+
+
+@dataclass(frozen=True)
+class OutputField:
+    """One field of the tower's output: a tensor, or a list of ``count`` tensors (deepstack levels)."""
+
+    name: str
+    count: int | None
+    patches_per_row: int
+    """Input patches per output row (1: last_hidden_state, merge^2: pooler_output)."""
+    width: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PackedTower:
+    """A packed tower's interface, learned from the tower itself."""
+
+    grid_argument: str
+    geometry: VisionGeometry
+    pixel_shape: tuple[int, ...]
+    """Trailing dims of one pixel row."""
+    metadata: MetadataPlan
+    metadata_patches_per_row: dict[tuple[str, int], int]
+    """Metadata parts (key, part of ``metadata_leaves``) whose length (a tensor's dim 0, or an int) is a fixed
+    fraction of the patches (position ids: 1; window index: merge^2; a merged-token count: merge^2)."""
+    output_class: type
+    outputs: tuple[OutputField, ...]
+    video_failure: str | None = None
+    """Why grids with more than one frame are refused (the stock tower fails on them); None: videos are served."""
+
+    @property
+    def windowed(self) -> bool:
+        return _WINDOW_KEY in self.metadata.keys
+
+
+def _config_value(config, fields: tuple[str, ...], default: Any = None) -> Any:
+    return next((getattr(config, name) for name in fields if getattr(config, name, None) is not None), default)
+
+
+def _merge(config) -> int | None:
+    """The spatial merge of the config: an int field, or a square kernel ``(2, 2)``; None when neither."""
+    merge = _config_value(config, _MERGE_FIELDS)
+    if isinstance(merge, (list, tuple)) and len(set(merge)) == 1:
+        merge = merge[0]
+    return merge if isinstance(merge, int) else None
+
+
+def _temporal_patch(config) -> int:
+    return _config_value(config, _TEMPORAL_FIELDS, 1)
+
+
+def _geometry(tower: torch.nn.Module, windowed: bool) -> VisionGeometry:
+    config = tower.config
+    merge, patch = _merge(config), getattr(config, "patch_size", None)
+    if not isinstance(merge, int) or not isinstance(patch, int):
+        raise _refuse(
+            tower, f"its config has no integer patch_size and spatial merge size ({' or '.join(_MERGE_FIELDS)}), "
+            "so the bounds of its buckets are unknown"
+        )
+    window = getattr(config, "window_size", None) if windowed else None
+    if windowed and not isinstance(window, int):
+        raise _refuse(tower, "it builds attention windows but its config has no window_size")
+    return config_geometry(config, window)
+
+
+def config_geometry(config, window_size: int | None = None) -> VisionGeometry:
+    """The geometry a vision config states (patch, temporal patch, merge, as the families spell them)."""
+    return VisionGeometry(
+        patch_size=config.patch_size,
+        temporal_patch_size=_temporal_patch(config),
+        spatial_merge_size=_merge(config),
+        window_size=window_size,
+    )
+
+
+def _pixel_shapes(tower: torch.nn.Module) -> list[tuple[int, ...]]:
+    """The row layouts to try: flattened first, then channels x (temporal x) patch x patch."""
+    config = tower.config
+    channels = _config_value(config, _CHANNEL_FIELDS, 3)
+    temporal = _temporal_patch(config)
+    patch = config.patch_size
+    shapes = [(channels * temporal * patch * patch,), (channels, temporal, patch, patch)]
+    return shapes if temporal > 1 else [shapes[0], (channels, patch, patch)]
+
+
+def _patches_per_row(patch_counts: list[int], row_counts: list[int]) -> int | None:
+    pairs = zip(patch_counts, row_counts)
+    ratios = {patches // rows if rows and patches % rows == 0 else None for patches, rows in pairs}
+    return ratios.pop() if len(ratios) == 1 else None
+
+
+def _fields(output) -> dict[str, Any]:
+    return {name: value for name, value in output.items() if value is not None}
+
+
+def _row_count(value) -> int:
+    return (value[0] if isinstance(value, (list, tuple)) else value).shape[0]
+
+
+def _inputs(tower, shape, grid) -> tuple[torch.Tensor, torch.Tensor]:
+    parameter = next(tower.parameters())
+    grid_thw = torch.tensor(grid, dtype=torch.int64)
+    patches = int(grid_thw.prod(-1).sum())
+    generator = torch.Generator().manual_seed(0)
+    pixel_values = torch.randn(patches, *shape, generator=generator).to(parameter.device, parameter.dtype)
+    return pixel_values, grid_thw
+
+
+def _record(tower, grid) -> tuple[tuple[int, ...], MetadataPlan, Any]:
+    failures = []
+    for shape in _pixel_shapes(tower):
+        pixel_values, grid_thw = _inputs(tower, shape, grid)
+        try:
+            plan, output = record_metadata(tower, pixel_values, grid_argument(tower), grid_thw)
+        except TowerRefused:
+            raise
+        except Exception as error:  # the tower refused this row layout: try the next one
+            failures.append(f"{shape}: {type(error).__name__}: {error}")
+            continue
+        return shape, plan, output
+    for shape in _pixel_shapes(tower):
+        pixel_values, grid_thw = _inputs(tower, shape, grid)
+        try:
+            tower(pixel_values[None], **{grid_argument(tower): grid_thw})
+        except Exception:
+            continue
+        raise _refuse(
+            tower, f"its pixel_values carry a leading batch dim ([1, patches, {', '.join(map(str, shape))}]); vgraph "
+            "serves towers whose pixel rows are packed along dim 0"
+        )
+    raise _refuse(
+        tower, f"no pixel row layout derived from its config fits its patch embedding ({'; '.join(failures)})"
+    )
+
+
+def _failing_line(error: Exception) -> str:
+    """The innermost line of transformers' model code in the traceback of ``error``."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "/transformers/models/" in frame.filename]
+    if not frames:
+        return "an unknown place"
+    frame = frames[-1]
+    return f"{frame.filename.rsplit('/transformers/', 1)[-1]}:{frame.lineno} ({frame.line})"
+
+
+def _refuse(tower, reason: str) -> TowerRefused:
+    return TowerRefused(f"{type(tower).__name__} cannot be served by vgraph: {reason}")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """What a verification grid showed: the output class and fields, and the metadata's rows per patch."""
+
+    output_class: type
+    outputs: tuple[OutputField, ...]
+    metadata_patches_per_row: dict[tuple[str, int], int]
+
+
+def metadata_leaves(value: Any) -> tuple:
+    """A metadata value's parts: the value, or the items of a tuple (``(index, weights, count)``)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _leaf_sizes(value: Any) -> list[int | None]:
+    """Each part's length: a tensor's dim 0, an int itself; None for other parts."""
+    return [
+        leaf.shape[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf if type(leaf) is int else None
+        for leaf in metadata_leaves(value)
+    ]
+
+
+def _verify(tower, shape, plan: MetadataPlan, first: list, first_output, second: list) -> _Verified:
+    """The tower on ``second`` with the grid withheld and the planned metadata passed in gives exactly the stock
+    outputs, and every output field and metadata tensor has one number of rows per patch over both grids;
+    ``TowerRefused`` naming what broke otherwise."""
+    name = grid_argument(tower)
+    pixel_values, grid_thw = _inputs(tower, shape, second)
+    try:
+        expected = tower(pixel_values, **{name: grid_thw})
+    except Exception as error:
+        raise _refuse(tower, f"the stock tower fails on the grid {second}: {type(error).__name__}: {error}") from error
+    metadata = plan.compute(grid_thw)
+    first_metadata = plan.compute(torch.tensor(first))
+    try:
+        served = tower(pixel_values, **{name: None}, **metadata)
+    except Exception as error:
+        raise _refuse(
+            tower, f"it uses {name} outside its metadata functions ({plan.describe()}) at {_failing_line(error)}: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    if type(served) is not type(expected) or _fields(served).keys() != _fields(expected).keys():
+        raise _refuse(tower, "its output differs when the grid metadata is passed in")
+    for field_name, value in _fields(expected).items():
+        if not _same(value, _fields(served)[field_name]):
+            raise _refuse(tower, f"its {field_name} differs when {plan.describe()} are passed in: it reads {name} "
+                          "elsewhere too")
+    patch_counts = [int(torch.tensor(grid).prod(-1).sum()) for grid in (first, second)]
+    relations = {}
+    for key, value in metadata.items():
+        if isinstance(value, torch.Tensor) and value.shape[1:] != first_metadata[key].shape[1:]:
+            raise _refuse(tower, f"its grid metadata {key} grows with the grid along a dim past dim 0 "
+                          f"({tuple(first_metadata[key].shape)} then {tuple(value.shape)}): vgraph bounds dim 0 only")
+        for leaf, (first_size, size) in enumerate(zip(_leaf_sizes(first_metadata[key]), _leaf_sizes(value))):
+            ratio = _patches_per_row(patch_counts, [first_size, size]) if size is not None else None
+            if ratio is not None:
+                relations[key, leaf] = ratio
+    outputs = []
+    for field_name, value in _fields(expected).items():
+        ratio = _patches_per_row(patch_counts, [_row_count(_fields(first_output)[field_name]), _row_count(value)])
+        if ratio is None:
+            raise _refuse(tower, f"its output {field_name} has no fixed number of rows per patch on the grids {first} "
+                          f"and {second}")
+        count = len(value) if isinstance(value, (list, tuple)) else None
+        width = tuple((value[0] if count else value).shape[1:])
+        outputs.append(OutputField(field_name, count, ratio, width))
+    outputs.sort(key=lambda field: field.name != "pooler_output")  # flat outputs: the features a VLM reads first
+    return _Verified(type(expected), tuple(outputs), relations)
+
+
+def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
+    """The tower's interface (see the module docstring); ``TowerRefused`` (a ``ValueError``) naming the reason when
+    it cannot be served.
+
+    The plan is verified on a video and a one-merge-unit image; when that fails (the stock tower itself fails on
+    more than one frame, or its rows do not scale with frames), on two images, and the tower serves images only,
+    refusing grids with ``t > 1`` per call with the video's reason.
+    """
+    name = grid_argument(tower)
+    extra = [
+        parameter.name
+        for parameter in list(inspect.signature(type(tower).forward).parameters.values())[2:]
+        if parameter.name != name and parameter.default is inspect.Parameter.empty
+        and parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    ]
+    if extra:
+        raise _refuse(tower, f"its forward takes {extra} besides the pixel rows and {name}")
+    merge = _merge(tower.config) or 1
+    first = [(1, 4 * merge, 8 * merge)]
+    video = [(2, 2 * merge, 4 * merge), (1, merge, merge)]
+    images = [(1, 2 * merge, 4 * merge), (1, merge, merge)]
+    video_failure = None
+    with torch.no_grad(), routed_attention(tower):
+        shape, plan, first_output = _record(tower, first)
+        try:
+            verified = _verify(tower, shape, plan, first, first_output, video)
+        except TowerRefused as refusal:
+            video_failure = str(refusal).split(": ", 1)[1]
+            verified = _verify(tower, shape, plan, first, first_output, images)
+    geometry = _geometry(tower, _WINDOW_KEY in plan.keys)
+    return PackedTower(
+        name, geometry, shape, plan, verified.metadata_patches_per_row, verified.output_class, verified.outputs,
+        video_failure,
+    )
+
+
+def rows_per_unit(outputs: tuple[OutputField, ...]) -> tuple[int, list[int]]:
+    """(patches per unit, each field's rows per unit): a unit is the coarsest field's row (a merged token)."""
+    unit = math.lcm(*(field.patches_per_row for field in outputs))
+    return unit, [unit // field.patches_per_row for field in outputs]
