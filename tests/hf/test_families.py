@@ -11,6 +11,7 @@ import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
+from vgraph_compile.hf.tiles import is_tile_tower
 from vgraph_compile.models.hf_families import build_tower, vision_utils_families
 
 REFUSED = {
@@ -29,10 +30,10 @@ REFUSED = {
     "inkling2": r"no pixel row layout derived from its config fits its patch embedding",
     "minimax_m3_vl": r"its output last_hidden_state has no fixed number of rows per patch",
     "video_llama_3": r"its forward takes \['merge_sizes'\] besides the pixel rows and grid_thw",
-    "minicpm_ocr": r"its forward takes no grid",
-    "minicpmv4_6": r"its forward takes no grid",
-    "minicpmv4_7": r"its forward takes no grid",
-    "step3p7": r"its forward takes no grid",
+    "minicpm_ocr": r"its forward takes neither a grid",
+    "minicpmv4_6": r"its forward takes neither a grid",
+    "minicpmv4_7": r"its forward takes neither a grid",
+    "step3p7": r"produces a data-dependent value",
 }
 """Families refused today (README table), each with the reason its ValueError must name."""
 IMAGES_ONLY = {"kimi_k25"}
@@ -49,13 +50,21 @@ def _assert_same(out, ref):
 
 
 def _refused(name, tower):
+    """Refused at compile, or at the trace of the first call (a packed call of one image, or three tiles for a tower
+    that takes fixed-size tiles), before any graph runs."""
     m = 2
     grid_thw = torch.tensor([(1, 4 * m, 6 * m)])
     before = counters.snapshot()["replays"]
-    with pytest.raises(ValueError, match=REFUSED[name]):  # at compile, or at the trace of the first call
-        served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    with pytest.raises(ValueError, match=REFUSED[name]):
+        if is_tile_tower(tower):
+            served = compile_vision_tower(tower, compiler="eager", attention_backend="sdpa")
+            size = tower.config.image_size
+            call = (torch.randn(3, tower.config.num_channels, size, size),)
+        else:
+            served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+            call = (torch.randn(int(grid_thw.prod()), *served.interface.pixel_shape), grid_thw)
         with torch.no_grad():
-            served(torch.randn(int(grid_thw.prod()), *served.interface.pixel_shape), grid_thw)
+            served(*call)
     assert counters.snapshot()["replays"] == before
 
 

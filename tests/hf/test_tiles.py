@@ -10,7 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
-from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, replace_tile_tower, tile_buckets
+from vgraph_compile.hf import compile_vlm
+from vgraph_compile.hf.tiles import compile_tile_tower, is_tile_tower, tile_buckets
+from vgraph_compile.hf.vlm import find_vision_tower
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
 
@@ -261,7 +263,11 @@ def test_vlm_logits_and_greedy_tokens_with_the_tile_tower(family):
     with torch.no_grad():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    tower = replace_tile_tower(model, VLMS[family][1], compiler="eager", max_items=8)
+    path = VLMS[family][1]
+    owner_path, _, attribute = path.rpartition(".")
+    assert find_vision_tower(model) == (model.get_submodule(owner_path), attribute), "compile_vlm finds the tower"
+    compile_vlm(model, compiler="eager", max_items=8)
+    tower = model.get_submodule(path)
     with torch.no_grad():
         served = model(**inputs).logits
         served_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)

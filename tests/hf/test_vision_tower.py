@@ -107,7 +107,7 @@ def test_empty_batch(compiled, name, patch_width, deepstack):
 
 
 def test_unknown_tower_is_refused():
-    with pytest.raises(ValueError, match="is not a vision tower vgraph can serve: its forward takes no grid"):
+    with pytest.raises(ValueError, match="is not a vision tower vgraph can serve: its forward takes neither a grid"):
         compile_vision_tower(torch.nn.Linear(2, 2))
 
 

@@ -1,5 +1,5 @@
-"""Hugging Face integration: ``compile_vlm(model)`` for a whole transformers VLM whose vision tower packs
-variable-size images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL,
+"""Hugging Face integration, one way in (``hf/vlm``): ``compile_vlm(model)`` for a whole transformers VLM, and
+``compile_vision_tower(tower)`` for its tower. Packed towers pack variable-size images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL,
 EXAONE 4.5, dots3, Cohere Compass, Kimi K2.5...), and ``compile_vision_tower(tower)`` for such a tower, unmodified,
 with its own weights. Nothing is per family: the tower's grid metadata, geometry and outputs are learned from the
 tower (``packed_tower``); a tower vgraph cannot serve is refused with a ``ValueError`` naming the reason.
@@ -12,7 +12,8 @@ as keywords).
 """
 
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.vision_tower import CompiledVisionTower, compile_vision_tower
-from vgraph_compile.hf.vlm import compile_vlm
+from vgraph_compile.hf.tiles import CompiledTileTower
+from vgraph_compile.hf.vision_tower import CompiledVisionTower
+from vgraph_compile.hf.vlm import compile_vision_tower, compile_vlm
 
-__all__ = ["CompiledVisionTower", "compile_vision_tower", "compile_vlm", "routed_attention"]
+__all__ = ["CompiledTileTower", "CompiledVisionTower", "compile_vision_tower", "compile_vlm", "routed_attention"]

@@ -42,7 +42,6 @@ __all__ = [
     "CompiledTileTower",
     "compile_tile_tower",
     "is_tile_tower",
-    "replace_tile_tower",
     "tile_buckets",
     "DEFAULT_MAX_ITEMS",
 ]
@@ -56,7 +55,9 @@ _TRACE_RECOMPILE_LIMIT = 256
 """Every tile tower's trace starts in the same forward (``_TileCall.forward``): dynamo's per-code recompile limit
 (8) would send the ninth tower of a process to eager."""
 
-_PACKED_ARGUMENTS = ("grid_thw", "spatial_shapes", "pixel_attention_mask", "image_sizes", "cu_seqlens")
+_PACKED_ARGUMENTS = (
+    "grid_thw", "spatial_shapes", "pixel_attention_mask", "image_sizes", "cu_seqlens", "target_sizes", "tgt_sizes"
+)
 """Arguments of towers that take variable-size images (packed or padded per image): not fixed-tile towers."""
 
 
@@ -347,17 +348,3 @@ def compile_tile_tower(
             raise ValueError(f"{name} is not a tile-tower option: give max_items/exact_items/item_growth")
     config = VGraphConfig.from_options({**options, "token_budgets": tile_buckets(max_items, exact_items, item_growth)})
     return CompiledTileTower(tower, config, max_items)
-
-
-def replace_tile_tower(model: torch.nn.Module, path: str, **options: Any) -> CompiledTileTower:
-    """Replace the tower at attribute ``path`` of ``model`` (``"model.vision_tower"``) with
-    ``compile_tile_tower(tower, **options)``, in place; returns the compiled tower. State dict keys are unchanged."""
-    *parents, name = path.split(".")
-    owner = model
-    for part in parents:
-        owner = getattr(owner, part)
-    tower = getattr(owner, name)
-    compiled = compile_tile_tower(tower, **options)
-    setattr(owner, name, compiled)
-    log.info("%s.%s: %s served by vgraph tile buckets", type(model).__name__, path, type(compiled.tower).__name__)
-    return compiled

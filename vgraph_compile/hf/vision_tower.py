@@ -31,7 +31,7 @@ from vgraph_compile.hf.packed_tower import (
 )
 from vgraph_compile.hf.packing import Batch, pack
 
-__all__ = ["CompiledVisionTower", "TowerCall", "compile_vision_tower", "is_packed_tower"]
+__all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class TowerCall(torch.nn.Module):
 class CompiledVisionTower(torch.nn.Module):
     """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
 
-    It stands in the tower's place in a model (``model.model.visual = compile_vision_tower(model.model.visual)``):
+    It stands in the tower's place in a model (``model.model.visual = compile_packed_tower(model.model.visual)``):
     it shares the tower's parameter, buffer and submodule tables, so every name (``state_dict`` keys,
     ``named_parameters``) is the tower's own, and ``.to()``, ``eval()``, ``parameters()`` act on the tower's
     tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
@@ -332,7 +332,7 @@ def is_packed_tower(tower: torch.nn.Module) -> bool:
     return isinstance(tower, torch.nn.Module) and hasattr(tower, "config") and grid_argument(tower) is not None
 
 
-def compile_vision_tower(
+def compile_packed_tower(
     tower: torch.nn.Module,
     token_budgets: list[int] | tuple[int, ...] | None = None,
     max_items: int = 8,
@@ -340,7 +340,8 @@ def compile_vision_tower(
     process_group: Any = None,
     **options: Any,
 ) -> CompiledVisionTower:
-    """Compile ``model.visual`` with the vgraph backend, bounded by the tower's own geometry.
+    """Compile a packed tower (``model.visual``: its forward takes a grid) with the vgraph backend, bounded by the
+    tower's own geometry.
 
     ``token_budgets`` count patches (rows of pixel_values; multiples of spatial_merge_size^2); ``max_items`` and
     ``max_frames`` (temporal patches of all items; default max(max_items, 16)) bound one graph call, and larger
@@ -355,7 +356,6 @@ def compile_vision_tower(
     if isinstance(tower, CompiledVisionTower):
         tower = tower.tower
     if not is_packed_tower(tower):
-        # fixed-tile towers (pixel_values [N, C, H, W]) get their own branch here
         raise ValueError(
             f"{type(tower).__name__} is not a vision tower vgraph can serve: its forward takes no grid "
             "(grid_thw, image_grid_thw...) of packed variable-size images. Pass the vision tower of a transformers "
