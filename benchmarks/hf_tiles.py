@@ -115,10 +115,11 @@ def run_tower(name: str, args, device: str, dtype: torch.dtype, peak: float | No
         return report["systems"][system]
 
     measure("hf_eager", lambda n: lambda: tower(inputs[n]), {})
-    torch._dynamo.reset()
-    default = torch.compile(tower)
-    measure("torch_compile_default", lambda n: lambda: default(inputs[n]), {})
-    if device == "cuda":
+    if "torch_compile_default" in args.systems:
+        torch._dynamo.reset()
+        default = torch.compile(tower)
+        measure("torch_compile_default", lambda n: lambda: default(inputs[n]), {})
+    if "torch_compile_reduce_overhead_exact" in args.systems and device == "cuda":
         exact: dict[int, Callable] = {}
 
         def oracle(n: int) -> Callable[[], Any]:
@@ -127,7 +128,7 @@ def run_tower(name: str, args, device: str, dtype: torch.dtype, peak: float | No
             return lambda: exact[n](inputs[n])
 
         measure("torch_compile_reduce_overhead_exact", oracle, {})
-    else:
+    elif device != "cuda":
         report["systems"]["torch_compile_reduce_overhead_exact"] = "CUDA only: it records inductor's CUDA graph trees"
     torch._dynamo.reset()
     compiled = compile_tile_tower(tower, compiler=args.compiler)
@@ -149,6 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--towers", nargs="+", choices=sorted(TOWERS), default=list(TOWERS))
     parser.add_argument("--toy", action="store_true", help="tiny towers on the CPU (fp32): checks the harness")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="hf_eager and vgraph always run"
+    )
     parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--json", help="default: benchmarks/results/tiles_<device>.json")
     return parser.parse_args(argv)
