@@ -149,8 +149,10 @@ def _row_count(value) -> int:
 
 
 def _inputs(tower, shape, grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probe inputs on the tower's device, grid included, as a model passes them (the stock tower computes its
+    metadata on the grid's device and indexes its own weights with it)."""
     parameter = next(tower.parameters())
-    grid_thw = torch.tensor(grid, dtype=torch.int64)
+    grid_thw = torch.tensor(grid, dtype=torch.int64, device=parameter.device)
     patches = int(grid_thw.prod(-1).sum())
     generator = torch.Generator().manual_seed(0)
     pixel_values = torch.randn(patches, *shape, generator=generator).to(parameter.device, parameter.dtype)
