@@ -1,21 +1,5 @@
-"""``vgraph-bench``: a Qwen vision tower under every runtime a user would consider, same work, one process.
-
-Systems:
-- ``hf_eager_sdpa``: the stock tower; ``eager_varlen``: the stock tower with vgraph's attention op, no graphs;
-- ``torch_compile_routed``: ``torch.compile(dynamic=True)`` (inductor, default mode) of the tower with vgraph's
-  attention routing and the same host-side grid metadata the vgraph tower uses: the best plain torch.compile;
-- ``torch_compile_dynamic`` and ``torch_compile_reduce_overhead``: torch.compile of the stock tower, reported as
-  they end (both fail or time out on the real towers);
-- ``exact_shape_oracle``: independent of vgraph's runtime. Per fixed case, ``torch.compile(dynamic=False)`` of
-  the routed tower for exactly that shape, captured in one ``torch.cuda.CUDAGraph``, with the same per-call host
-  work (metadata lookup, fill, replay, copy out);
-- ``vgraph``: ``compile_vision_tower`` with the library's defaults; ``vgraph_conservative``: window segments
-  sized by the token budget.
-
-Per system: warm-up (build and first call), latencies of the seeded requests, fixed cases, host time per call
-(``host_ms_per_call_p50``: call to return with the GPU idle before it), dynamo recompiles and CUDA graph
-re-records after warm-up, peak memory, and for vgraph its own counters. Each system gets a wall-clock limit;
-one that does not finish is reported with how far it got.
+"""``vgraph-bench``'s command line: the systems (listed in the package docstring, ``vgraph_compile.bench``) on one
+Qwen tower, one process.
 
     vgraph-bench [--tower qwen2.5-vl] [--systems vgraph hf_eager_sdpa ...] [--json PATH] [--plot PATH]
     vgraph-bench --second-start --cache-dir DIR ...  # then the same run, warm-up only, in a fresh process

@@ -16,7 +16,7 @@ from vgraph_compile.bench.systems import NEEDS_CUDA, factories
 from vgraph_compile.bench.timing import check_deadline, elapsed_ms, host_ms_per_call, median_ms, synchronize
 from vgraph_compile.bench.workload import CASES_PX, Workload, random_requests, to_grid
 from vgraph_compile.counters import counters
-from vgraph_compile.serve.runtime import padded_fraction
+from vgraph_compile.compile.buckets import padded_fraction
 
 __all__ = ["run"]
 

@@ -37,6 +37,7 @@ import torch
 from vgraph_compile.analyze import TILE_ANALYSES
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import CompiledEncoderFunction
+from vgraph_compile.hf.stand_in import TowerStandIn
 
 __all__ = [
     "CompiledTileTower",
@@ -174,7 +175,7 @@ def _hidden_key(value: Any) -> Any:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-class CompiledTileTower(torch.nn.Module):
+class CompiledTileTower(TowerStandIn):
     """A fixed-tile tower served by vgraph: called like the tower, returns the tower's own output object.
 
     It shares the tower's parameter, buffer and submodule tables, so ``state_dict`` keys and parameter names are
@@ -197,25 +198,8 @@ class CompiledTileTower(torch.nn.Module):
         self.stock_calls = 0
         self.__dict__["compiled"] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            tower = self.__dict__.get("tower")
-            if tower is None:
-                raise
-            return getattr(tower, name)
-
-    def train(self, mode: bool = True) -> "CompiledTileTower":
-        super().train(mode)
-        self.tower.training = mode
-        return self
-
-    def _apply(self, fn, *args, **kwargs):
-        """``.to()``, ``.float()``...: the tensors change, so the next call traces again."""
-        result = super()._apply(fn, *args, **kwargs)
+    def _reset(self) -> None:
         self.compiled.clear()
-        return result
 
     @property
     def runtimes(self):

@@ -29,6 +29,7 @@ from vgraph_compile.hf.packed_tower import (
     metadata_leaves,
     rows_per_unit,
 )
+from vgraph_compile.hf.stand_in import TowerStandIn
 from vgraph_compile.hf.packing import Batch, pack
 
 __all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
@@ -77,7 +78,7 @@ class TowerCall(torch.nn.Module):
         return tuple(flat)
 
 
-class CompiledVisionTower(torch.nn.Module):
+class CompiledVisionTower(TowerStandIn):
     """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
 
     It stands in the tower's place in a model (``model.model.visual = compile_packed_tower(model.model.visual)``):
@@ -119,34 +120,14 @@ class CompiledVisionTower(torch.nn.Module):
         self.process_group = process_group
         """A ``torch.distributed`` process group to encode over, data parallel; None: this rank alone."""
         self.load_stats = data_parallel.LoadStats()
-        self._compile()
+        self._reset()
 
-    def _compile(self) -> None:
+    def _reset(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
         self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=self.vgraph_config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.grid_metadata.clear()
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            tower = self.__dict__.get("tower")
-            if tower is None:
-                raise
-            return getattr(tower, name)
-
-    def train(self, mode: bool = True) -> CompiledVisionTower:
-        super().train(mode)
-        self.tower.training = mode
-        return self
-
-    def _apply(self, fn, *args, **kwargs):
-        """``.to()``, ``.float()``, ``.cuda()``...: the tensors change, so the next call traces and captures again."""
-        result = super()._apply(fn, *args, **kwargs)
-        self._compile()
-        return result
 
     @property
     def runtimes(self):

@@ -25,13 +25,13 @@ import sympy
 import torch
 
 from vgraph_compile.compile.build import CompiledEncoder
-from vgraph_compile.compile.buckets import Bucket, BucketStats, padded_fraction
+from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.counters import counters
 from vgraph_compile.spec import BucketShape, PassContext
 from vgraph_compile.serve.arguments import argument_rooted
 from vgraph_compile.serve.checks import CallChecks, CallPlan
 
-__all__ = ["VGraphRuntime", "BucketStats", "padded_fraction"]
+__all__ = ["VGraphRuntime"]
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,42 @@
+"""``TowerStandIn``: what a compiled tower shares with the stock tower it stands in for, whatever its path.
+
+Invariant: the stand-in holds the stock tower as ``self.tower``, reads every attribute it lacks from the tower,
+moves the tower's training flag with its own (the stock tower serves training calls), and after
+``.to()``/``.float()``... drops what it compiled (``_reset``), since the tensors the graphs were built on changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TowerStandIn"]
+
+
+class TowerStandIn(torch.nn.Module):
+    """Base of ``CompiledVisionTower`` (packed) and ``CompiledTileTower`` (fixed tiles)."""
+
+    def _reset(self) -> None:
+        """Drop what was compiled for the tower's old tensors: the next call traces and captures again."""
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            tower = self.__dict__.get("tower")
+            if tower is None:
+                raise
+            return getattr(tower, name)
+
+    def train(self, mode: bool = True) -> "TowerStandIn":
+        super().train(mode)
+        self.tower.training = mode
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.float()``, ``.cuda()``...: the tensors change, so the next call traces and captures again."""
+        result = super()._apply(fn, *args, **kwargs)
+        self._reset()
+        return result
