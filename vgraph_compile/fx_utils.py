@@ -28,7 +28,7 @@ def op_name(node: torch.fx.Node) -> str | None:
 
 def callable_name(node: torch.fx.Node) -> str:
     """The name a call node calls, however it was spelled: ``cumsum`` for ``x.cumsum``, ``torch.cumsum`` and
-    ``aten.cumsum.default`` alike."""
+    ``aten.cumsum.default`` alike; ``add`` for ``operator.add``."""
     if node.op == "call_method":
         return str(node.target)
     target = node.target
@@ -66,17 +66,6 @@ def set_argument(node: torch.fx.Node, name: str, value: Any) -> None:
                 node.update_kwarg(name, value)
             return
     raise KeyError(f"{node.format_node()} has no argument {name!r}")
-
-
-def callable_name(node: torch.fx.Node) -> str:
-    """What a call node calls, by its short name: ``view`` for ``x.view(...)``, ``linear`` for ``F.linear`` or
-    ``aten.linear.default``, ``add`` for ``operator.add``."""
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.__name__.split(".")[0]
-    return getattr(target, "__name__", str(target))
 
 
 def example_value(node: torch.fx.Node) -> Any:

@@ -1,6 +1,7 @@
 """``TowerStandIn``: what a compiled tower shares with the stock tower it stands in for, whatever its path.
 
-Invariant: the stand-in holds the stock tower as ``self.tower``, reads every attribute it lacks from the tower,
+Invariant: the stand-in holds the stock tower as ``self.tower`` and shares its parameter, buffer and module tables
+(state_dict keys and parameter names are the tower's own), reads every attribute it lacks from the tower,
 moves the tower's training flag with its own (the stock tower serves training calls), and after
 ``.to()``/``.float()``... drops what it compiled (``_reset``), since the tensors the graphs were built on changed.
 """
@@ -16,6 +17,15 @@ __all__ = ["TowerStandIn"]
 
 class TowerStandIn(torch.nn.Module):
     """Base of ``CompiledVisionTower`` (packed) and ``CompiledTileTower`` (fixed tiles)."""
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        super().__init__()
+        self.__dict__["tower"] = tower  # its tables, not the tower itself, are this module's: names stay the same
+        self._parameters = tower._parameters
+        self._buffers = tower._buffers
+        self._non_persistent_buffers_set = tower._non_persistent_buffers_set
+        self._modules = tower._modules
+        self.training = tower.training
 
     def _reset(self) -> None:
         """Drop what was compiled for the tower's old tensors: the next call traces and captures again."""

@@ -184,13 +184,7 @@ class CompiledTileTower(TowerStandIn):
     """
 
     def __init__(self, tower: torch.nn.Module, config: VGraphConfig, max_items: int) -> None:
-        super().__init__()
-        self.__dict__["tower"] = tower
-        self._parameters = tower._parameters
-        self._buffers = tower._buffers
-        self._non_persistent_buffers_set = tower._non_persistent_buffers_set
-        self._modules = tower._modules
-        self.training = tower.training
+        super().__init__(tower)
         self.vgraph_config = config
         self.max_items = max_items
         self.split_calls = 0

@@ -103,13 +103,7 @@ class CompiledVisionTower(TowerStandIn):
         metadata_cache_size: int = 1024,
         process_group: Any = None,
     ) -> None:
-        super().__init__()
-        self.__dict__["tower"] = tower  # its tables, not the tower itself, are this module's: names stay the same
-        self._parameters = tower._parameters
-        self._buffers = tower._buffers
-        self._non_persistent_buffers_set = tower._non_persistent_buffers_set
-        self._modules = tower._modules
-        self.training = tower.training
+        super().__init__(tower)
         self.interface = interface
         """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
         self.vgraph_config = config
