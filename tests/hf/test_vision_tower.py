@@ -2,6 +2,7 @@
 op) on generated grids, through the one-batch, split and eager-fallback paths; input checks."""
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
+from vgraph_compile.hf.vision_tower import asks_nothing
 from vgraph_compile.hf.packed_tower import learn_packed_tower
 from vgraph_compile.models.hf_families import build_tower
 
@@ -178,3 +180,19 @@ def test_many_towers_in_one_process_each_served_by_its_own_trace():
         after = counters.snapshot()
         assert after["replays"] > before["replays"] and after["eager_fallbacks"] == before["eager_fallbacks"]
         _assert_same(out, ref)
+
+
+def test_a_keyword_is_dropped_only_when_it_asks_for_what_the_traced_call_did():
+    """None, a named parameter's own default, or False for a flag taken through **kwargs: dropped (the graphs
+    serve the call); a named flag set against its default is kept (the stock tower serves it)."""
+
+    def forward(pixel_values, grid_thw, use_merger=True, scale=1.0, **kwargs):
+        return pixel_values
+
+    defaults = {name: p.default for name, p in inspect.signature(forward).parameters.items() if name != "kwargs"}
+    assert asks_nothing(defaults, "use_merger", True) and asks_nothing(defaults, "scale", 1.0)
+    assert asks_nothing(defaults, "output_router_logits", False) and asks_nothing(defaults, "use_cache", None)
+    assert not asks_nothing(defaults, "use_merger", False)
+    assert not asks_nothing(defaults, "scale", 2.0)
+    assert not asks_nothing(defaults, "output_router_logits", True)
+    assert not asks_nothing(defaults, "grid_thw", False)  # a parameter without a default

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import types
 from typing import Any
@@ -78,6 +79,19 @@ class TowerCall(torch.nn.Module):
         return tuple(flat)
 
 
+def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
+    """Whether passing ``name=value`` to a forward with these named parameters and defaults asks for what a call
+    without it does: None, the named parameter's own default, or False for a flag taken through ``**kwargs`` (the
+    transformers convention: an absent flag is off). Anything else may change the result, so the stock tower
+    serves it."""
+    if value is None:
+        return True
+    if name in defaults:
+        default = defaults[name]
+        return default is not inspect.Parameter.empty and type(value) is type(default) and value == default
+    return value is False
+
+
 class CompiledVisionTower(TowerStandIn):
     """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
 
@@ -86,9 +100,10 @@ class CompiledVisionTower(TowerStandIn):
     ``named_parameters``) is the tower's own, and ``.to()``, ``eval()``, ``parameters()`` act on the tower's
     tensors. Attributes it does not define (``dtype``, ``spatial_merge_size``, ``config``, Qwen3's deepstack
     lists) are read from the tower. Calls with grad enabled, in training mode, or with keywords other than
-    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention; a
-    keyword that is None or False asks for nothing (a MoE model's ``output_router_logits=False``, ``use_cache=None``)
-    and is dropped.
+    ``grid_thw`` / ``return_dict`` (e.g. precomputed metadata) run the stock tower with its own attention. A keyword
+    that asks for what the traced call did is dropped (``asks_nothing``): None, the default of a parameter the
+    tower's forward names, or False for a flag it only takes through ``**kwargs`` (a MoE model's
+    ``output_router_logits=False``).
 
     With a ``process_group``, every rank of it must call with the same batch: each encodes its share of the items
     and every rank returns the whole output (``vgraph_compile.hf.data_parallel``). Set it to None to encode
@@ -106,6 +121,12 @@ class CompiledVisionTower(TowerStandIn):
         super().__init__(tower)
         self.interface = interface
         """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
+        self.defaults = {
+            name: parameter.default
+            for name, parameter in inspect.signature(tower.forward).parameters.items()
+            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+        }
+        """The tower's forward parameters by name, with their defaults (``inspect.Parameter.empty`` where none)."""
         self.vgraph_config = config
         self.geometry = config.geometry
         self.grid_metadata = GridMetadata(tower, interface, metadata_cache_size)
@@ -204,7 +225,7 @@ class CompiledVisionTower(TowerStandIn):
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
         """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
         return_dict = kwargs.pop("return_dict", True)
-        kwargs = {name: value for name, value in kwargs.items() if value is not None and value is not False}
+        kwargs = {name: value for name, value in kwargs.items() if not asks_nothing(self.defaults, name, value)}
         if kwargs or self.training or torch.is_grad_enabled():
             self.stock_calls += 1
             if kwargs:
