@@ -48,11 +48,8 @@ class _TensorContract:
     device: torch.device
     static: tuple[int | None, ...]
     """Per dim: its fixed size, or None where it varies with the call."""
-
-    @property
-    def fixed(self) -> tuple[tuple[int, int], ...]:
-        """(dim, size) of each fixed dim."""
-        return tuple((dim, size) for dim, size in enumerate(self.static) if size is not None)
+    fixed: tuple[tuple[int, int], ...]
+    """(dim, size) of each fixed dim of ``static``: what a call is checked against."""
 
 
 class CallChecks:
@@ -67,19 +64,13 @@ class CallChecks:
         self._max_seqlen = {
             group.offsets_input: group.max_seqlen_inputs for group in self.spec.groups if group.max_seqlen_inputs
         }
-        contracts = [
-            _TensorContract(
-                role.index,
-                self.spec.describe_input(role.index),
-                value.dtype,
-                value.device,
-                tuple(int(size) if not getattr(size, "free_symbols", ()) else None for size in shape),
-            )
-            for role, value, shape in zip(self.spec.inputs, ctx.example_inputs, self.spec.input_shapes)
-            if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER
-        ]
-        self._contracts = [(contract, contract.fixed) for contract in contracts]
-        """Each contract with its fixed dims, read once here rather than per call."""
+        self._contracts = []
+        for role, value, shape in zip(self.spec.inputs, ctx.example_inputs, self.spec.input_shapes):
+            if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER:
+                static = tuple(int(size) if not getattr(size, "free_symbols", ()) else None for size in shape)
+                fixed = tuple((dim, size) for dim, size in enumerate(static) if size is not None)
+                name = self.spec.describe_input(role.index)
+                self._contracts.append(_TensorContract(role.index, name, value.dtype, value.device, static, fixed))
 
     def check(self, args: Sequence[Any]) -> CallPlan:
         """The call's plan, after its inputs passed every check (a ValueError saying what to fix otherwise)."""
@@ -125,7 +116,7 @@ class CallChecks:
         return plan
 
     def _check_contract(self, args: Sequence[Any]) -> None:
-        for contract, fixed in self._contracts:
+        for contract in self._contracts:
             value = args[contract.index]
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{contract.name} must be a tensor, got {type(value).__name__}")
@@ -136,8 +127,8 @@ class CallChecks:
                     f"{contract.name}.to(device='{contract.device}', dtype={contract.dtype})"
                 )
             shape = value.shape
-            if len(shape) != len(contract.static) or any(shape[dim] != size for dim, size in fixed):
-                expected = ", ".join("any" if fixed is None else str(fixed) for fixed in contract.static)
+            if len(shape) != len(contract.static) or any(shape[dim] != size for dim, size in contract.fixed):
+                expected = ", ".join("any" if size is None else str(size) for size in contract.static)
                 raise ValueError(
                     f"{contract.name} has shape {tuple(value.shape)}, but the encoder takes [{expected}] "
                     "(only the packed dims vary between calls)"
