@@ -2,6 +2,8 @@
 
 Prints the bucket table (hits, padding), eager fallbacks, and eager vs vgraph median latency per bucket.
 CPU (fp32, small model) by default; CUDA (bf16, a ViT-L-sized model, CUDA graphs) when a GPU is present.
+Checks itself and exits 1 when a call that fits a bucket was not served by one, or when an output is further from
+eager than the dtype's tolerance.
 
     python examples/demo.py [--requests 24] [--device cuda|cpu] [--seed 0]
 """
@@ -12,6 +14,7 @@ import argparse
 import logging
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -25,12 +28,14 @@ SETTINGS = {
         dtype=torch.float32,
         budgets=[256, 512, 1024, 2048],
         max_side=24,
+        tolerance=1e-5,
     ),
     "cuda": dict(
         model=dict(patch_dim=1176, dim=1024, depth=24, heads=16, out_dim=2048, merge=4),
         dtype=torch.bfloat16,
         budgets=[1024, 2048, 4096, 8192, 16384],
         max_side=96,
+        tolerance=2e-2,
     ),
 }
 
@@ -75,6 +80,7 @@ def main() -> None:
 
     requests = [random_request(rng, setting["max_side"]) for _ in range(args.requests)]
     requests.append([setting["budgets"][-1] + 64])  # one image over the largest budget: eager fallback
+    served_before = vgraph_compile.counters.replays
     with torch.inference_mode():
         _, warmup_ms = timed(
             lambda: compiled(*pack_images(requests[0], patch_dim, device=device, dtype=setting["dtype"])), device
@@ -97,6 +103,8 @@ def main() -> None:
     print("\nbuckets (hits and padding over the stream):")
     print(runtime.stats_table())
     print(f"\nmax relative difference vs eager: {worst:.2e}")
+    served = vgraph_compile.counters.replays - served_before
+    in_budget = 1 + sum(sum(lengths) <= setting["budgets"][-1] for lengths in requests)
     print(f"\n{'bucket':>8} {'calls':>6} {'eager ms':>9} {'vgraph ms':>10} {'speed-up':>9}")
     for bucket, times in sorted(per_bucket.items(), key=lambda item: (isinstance(item[0], str), item[0])):
         eager_ms, vgraph_ms = statistics.median(times["eager"]), statistics.median(times["vgraph"])
@@ -106,6 +114,14 @@ def main() -> None:
             "\n(On the CPU there is no kernel-launch overhead for graphs to remove, and padded rows cost full compute,"
             "\n so this shows correctness and bucketing; the speed-up is measured on a GPU: see BENCHMARKS.md.)"
         )
+    failures = []
+    if served != in_budget:
+        failures.append(f"{served} calls served by buckets, expected {in_budget} (the warm-up and every request that fits)")
+    if not worst <= setting["tolerance"]:
+        failures.append(f"max relative difference {worst:.2e} over the {setting['dtype']} tolerance {setting['tolerance']}")
+    if failures:
+        sys.exit("demo check failed: " + "; ".join(failures))
+    print(f"check: {served} calls served by buckets, outputs within {setting['tolerance']} of eager")
 
 
 if __name__ == "__main__":
