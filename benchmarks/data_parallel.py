@@ -1,4 +1,4 @@
-"""Data-parallel vision encoding: the Qwen2.5-VL-7B vision tower on 1 GPU vs N GPUs (``process_group``), NCCL.
+"""Data- and sequence-parallel vision encoding: Qwen vision towers on 1 GPU vs N GPUs (``process_group``), NCCL.
 
 Every rank holds the whole tower (released size, random weights, bf16; nothing is downloaded) and is called with
 the same requests; with N > 1 ranks each encodes its share and all-gathers the rest. Workload: ``vgraph-bench``'s
@@ -7,11 +7,17 @@ requests of exactly 4 images (the same generator, filtered) timed one by one for
 request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
 (``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
 
+``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call).
+With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the latency of 1x1344^2, 1x1792^2 and a
+16-frame 448^2 video for the Qwen2.5-VL and Qwen3-VL towers (released sizes), each group compiled with buckets of
+exactly those sizes (a rank's slice on N ranks), and the 1x1792^2 output's error against the stock tower (eager).
+
 With ``--vlm-requests N``, also the whole Qwen2.5-VL-7B (language model replicated on every rank, vision tower
 data-parallel): time to first token of ``ttft.py``'s first N requests, per group size.
 
     python benchmarks/data_parallel.py --ranks 1 2 --vlm-requests 32 --json benchmarks/results/data_parallel_h200x2.json
     python benchmarks/data_parallel.py --device cpu --tiny --vlm-requests 4 --json /tmp/dp.json   # gloo, toy sizes
+    python benchmarks/data_parallel.py --ranks 1 2 --parallel auto --sequence --json /tmp/sequence.json
 """
 
 from __future__ import annotations
@@ -32,12 +38,17 @@ from vgraph_compile.bench.result import Result
 from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.bench.workload import random_requests, to_grid
 from vgraph_compile.hf import compile_vision_tower
+from vgraph_compile.hf.packed_tower import config_geometry
+from vgraph_compile.hf.sequence_parallel import split_rows
 
 TINY_TOWER = dict(
     depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48, fullatt_block_indexes=[1]
 )
 """The toy Qwen2.5-VL tower of the tests (2 blocks of width 32)."""
 TINY_OPTIONS = dict(token_budgets=[256, 1280], max_items=4, compiler="eager", attention_backend="sdpa")
+SEQUENCE_ITEMS = {"1x1344^2": [(1, 1344, 1344)], "1x1792^2": [(1, 1792, 1792)], "video 16x448^2": [(16, 448, 448)]}
+"""--sequence: one item each, (frames, height, width) in pixels."""
+SEQUENCE_TOWERS = ("qwen2.5-vl", "qwen3-vl")
 TINY_SCALE = 4
 """--tiny divides the requests' pixel sizes by this (56-336 px), so the CPU's dense attention masks stay small."""
 
@@ -101,7 +112,8 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
         start = time.perf_counter()
         tower = qwen_tower("qwen2.5-vl", device=device, dtype=dtype, **(TINY_TOWER if args.tiny else {}))
         options = TINY_OPTIONS if args.tiny else {}
-        compiled = compile_vision_tower(tower, process_group=dist.group.WORLD if ranks > 1 else None, **options)
+        group = dist.group.WORLD if ranks > 1 else None
+        compiled = compile_vision_tower(tower, process_group=group, parallel=args.parallel, **options)
         requests, four = workload(args, tower.config)
         (width,) = compiled.interface.pixel_shape
         with torch.inference_mode():
@@ -141,8 +153,73 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
             patches_per_s=round(patches / seconds),
             latency_4_images={key: summary[key] for key in ("p50_ms", "p99_ms", "mean_ms", "requests")},
             peak_mem_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+            parallel_calls=dict(compiled.parallel_calls),
             stats=compiled.stats_table(),
         )
+        _write(directory, report)
+    finally:
+        dist.destroy_process_group()
+
+
+def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
+    """One rank of one group: per tower, compile with buckets of exactly the items' sizes (this group's slice),
+    then per item 3 warm calls and ``--sequence-repeats`` timed ones (the slowest rank's, from a common start);
+    rank 0 writes."""
+    from vgraph_compile.models.qwen_towers import TOY_SIZES, qwen_tower
+
+    device, dtype = _join(rank, ranks, directory, args)
+    try:
+        report = {}
+        for name in SEQUENCE_TOWERS:
+            tower = qwen_tower(name, device=device, dtype=dtype, **(TOY_SIZES[name] if args.tiny else {}))
+            config = tower.config
+            geometry = config_geometry(config, getattr(config, "window_size", None) if name == "qwen2.5-vl" else None)
+            scale = TINY_SCALE * 4 if args.tiny else 1
+            grids = {
+                case: to_grid(
+                    [(t, h // scale, w // scale) for t, h, w in items],
+                    config.patch_size,
+                    config.temporal_patch_size,
+                    config.spatial_merge_size,
+                )
+                for case, items in SEQUENCE_ITEMS.items()
+            }
+            unit = config.spatial_merge_size**2
+            sizes = {case: split_rows(tuple(grid), geometry, ranks, unit).slice_rows for case, grid in grids.items()}
+            start = time.perf_counter()
+            options = dict(token_budgets=sorted(set(sizes.values())), max_frames=16)
+            if args.tiny:
+                options.update(compiler="eager", attention_backend="sdpa")
+            group = dist.group.WORLD if ranks > 1 else None
+            compiled = compile_vision_tower(tower, process_group=group, parallel="sequence", **options)
+            (width,) = compiled.interface.pixel_shape
+            cases = {}
+            with torch.inference_mode():
+                for index, (case, grid) in enumerate(grids.items()):
+                    pixel_values, grid_thw = _inputs(grid, width, device, dtype, index)
+                    for _ in range(3):
+                        out = compiled(pixel_values, grid_thw)
+                    latencies = []
+                    for _ in range(args.sequence_repeats):
+                        dist.barrier()
+                        synchronize(device)
+                        begin = time.perf_counter()
+                        compiled(pixel_values, grid_thw)
+                        synchronize(device)
+                        latencies.append((time.perf_counter() - begin) * 1e3)
+                    summary = Result(latencies_ms=_slowest(latencies)).summary()
+                    cases[case] = {"grid": grid, "slice_rows": sizes[case], "p50_ms": summary["p50_ms"],
+                                   "mean_ms": summary["mean_ms"]}
+                    if case == "1x1792^2":
+                        stock = compiled.tower(pixel_values, grid_thw).pooler_output.float()
+                        error = (out.pooler_output.float() - stock).norm() / stock.norm()
+                        cases[case]["pooler_rel_err_vs_stock_eager"] = round(float(error), 5)
+            report[name] = {"warmup_s": round(time.perf_counter() - start, 1), "cases": cases,
+                            "stats": compiled.stats_table()}
+            print(f"rank {rank}/{ranks} {name}: {cases}", flush=True)
+            del compiled, tower
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         _write(directory, report)
     finally:
         dist.destroy_process_group()
@@ -221,6 +298,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, default=64, help="random requests run back to back")
     parser.add_argument("--latency-requests", type=int, default=64, help="4-image requests timed one by one")
     parser.add_argument("--vlm-requests", type=int, default=0, help="also the whole VLM's TTFT, on this many requests")
+    parser.add_argument("--parallel", choices=["data", "sequence", "auto"], default="data", help="mode of the trace")
+    parser.add_argument("--sequence", action="store_true", help="also one large item per call, sequence parallel")
+    parser.add_argument("--sequence-repeats", type=int, default=20, help="timed calls per item with --sequence")
+    parser.add_argument("--skip-trace", action="store_true", help="skip the trace and 4-image groups")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
@@ -236,7 +317,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": {"NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]},
         "groups": {},
     }
-    for ranks in args.ranks:
+    report["workload"]["parallel"] = args.parallel
+    if args.sequence:
+        report["sequence"] = {"groups": {str(ranks): run_group(_sequence_rank, ranks, args) for ranks in args.ranks}}
+        groups = report["sequence"]["groups"]
+        if "1" in groups and len(groups) > 1:
+            ratios = {
+                ranks: {
+                    name: {case: round(row["p50_ms"] / groups["1"][name]["cases"][case]["p50_ms"], 3)
+                           for case, row in tower["cases"].items()}
+                    for name, tower in group.items()
+                }
+                for ranks, group in groups.items() if ranks != "1"
+            }
+            report["sequence"]["latency_vs_1_rank"] = ratios
+            most = str(max(args.ranks))
+            report["sequence"]["one_image_latency_ratio"] = max(row["1x1792^2"] for row in ratios[most].values())
+            print(f"sequence latency vs 1 rank: {ratios} (target <= 0.6 at 1x1792^2 on 2 GPUs)", flush=True)
+        write_report(report, args.json)
+    for ranks in [] if args.skip_trace else args.ranks:
         report["groups"][str(ranks)] = run_group(_tower_rank, ranks, args)
         print(f"{ranks} rank(s): {report['groups'][str(ranks)]}", flush=True)
     if args.vlm_requests:
@@ -245,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for ranks, group in report["vlm"].items():
             group["first_tokens_equal_to_first_group"] = sum(a == b for a, b in zip(group.pop("first_tokens"), first))
             print(f"whole VLM, {ranks} rank(s): {group}", flush=True)
-    if "1" in report["groups"]:
+    if "1" in report["groups"] and len(report["groups"]) > 1:
         one = report["groups"]["1"]["requests_per_s"]
         report["throughput_vs_1_rank"] = {
             ranks: round(group["requests_per_s"] / one, 3) for ranks, group in report["groups"].items()

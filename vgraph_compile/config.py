@@ -82,6 +82,10 @@ class VGraphConfig:
     """With a geometry: the encoder arguments holding window-attention cu_seqlens (Qwen2.5-VL's name by default).
     Their group gets the window bound, every other group the frame bound; when the encoder has several groups
     and names none of them here, every group is sized for both (safe, looser)."""
+    sequence_parallel: tuple[str, int] | None = None
+    """(process group name, ranks): every rank holds a slice of the packed rows, and the full-attention sites (every
+    group but the ``window_offsets`` ones) attend over the group's ranks (``rewrite/sequence_attention``). Set by
+    ``CompiledVisionTower`` in sequence mode (``hf/sequence_parallel``); None: one process holds all rows."""
     artifact_dir: str | None = None
     """Directory of saved compiled encoders (``compile/artifacts``): the first process saves the inductor compile,
     later ones load it instead of compiling. None: the ``VGRAPH_ARTIFACT_DIR`` environment variable, else

@@ -4,7 +4,8 @@ Which keywords a tower pops, and how each is computed from the grid, is the towe
 (``PackedTower.metadata``, from ``metadata_plan``); this module only computes and keeps them. The routed attention
 is on while computing, so ``get_max_seqlen`` computes ``max_seqlen`` as it does in the trace.
 
-Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid, moved to the
+Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid (passed through
+``localize`` when one is given: a sequence-parallel rank's share, ``hf/sequence_parallel``), moved to the
 device it was asked for, as plain tensors (outside inference mode: they keep a version counter, so the runtime
 skips re-copying them); at most ``size`` entries are kept (the least recently used one goes first).
 """
@@ -12,6 +13,7 @@ skips re-copying them); at most ``size`` entries are kept (the least recently us
 from __future__ import annotations
 
 import collections
+from typing import Any, Callable
 
 import torch
 
@@ -32,8 +34,14 @@ def grid_of(grid_thw: torch.Tensor) -> Grid:
 class GridMetadata:
     """``(grid, device) -> the tower's grid metadata keywords on that device``, cached."""
 
-    def __init__(self, tower: torch.nn.Module, interface: PackedTower, size: int = 1024) -> None:
-        self.tower, self.interface, self.size = tower, interface, size
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        interface: PackedTower,
+        size: int = 1024,
+        localize: Callable[[Grid, dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        self.tower, self.interface, self.size, self.localize = tower, interface, size, localize
         self._entries: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
 
     def __call__(self, grid: Grid, device: torch.device | str) -> dict:
@@ -43,6 +51,8 @@ class GridMetadata:
             return self._entries[key]
         with torch.inference_mode(False), routed_attention(self.tower):
             host = self.interface.metadata.compute(torch.tensor(grid, dtype=torch.int64))
+            if self.localize is not None:
+                host = self.localize(grid, host)
             metadata = {
                 name: value.to(key[1]) if isinstance(value, torch.Tensor) else value for name, value in host.items()
             }

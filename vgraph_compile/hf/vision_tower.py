@@ -5,22 +5,28 @@ take each batch's grid metadata from the cache (computed on the host once per di
 learned from the tower: ``packed_tower``; cached by ``grid_metadata``), run the compiled tower, and put every
 item's rows back in the caller's order. On a tower served on images only, a grid row with t > 1 is refused by the
 input check, before anything runs, with the reason its video failed.
+
+Over a process group, each call is encoded data parallel (whole items per rank: ``data_parallel``) or sequence
+parallel (a slice of the rows per rank, through a second trace of the tower whose full attention spans the ranks:
+``sequence_parallel``), as ``parallel`` says; ``"auto"`` chooses per call (``sequence_parallel.choose``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
 import logging
 import types
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import encoder
-from vgraph_compile.hf import data_parallel
+from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.packed_tower import (
@@ -36,6 +42,9 @@ from vgraph_compile.hf.packing import Batch, pack
 __all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
 
 log = logging.getLogger(__name__)
+
+Parallel = Literal["data", "sequence", "auto"]
+
 
 def _row_starts(grid) -> list[int]:
     """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
@@ -92,6 +101,17 @@ def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
     return value is False
 
 
+@dataclass(frozen=True)
+class _SequenceGraphs:
+    """The tower's sequence-parallel trace over one process group, and its per-rank grid metadata."""
+
+    group: Any
+    rank: int
+    ranks: int
+    compiled: Any
+    grid_metadata: GridMetadata
+
+
 class CompiledVisionTower(TowerStandIn):
     """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
 
@@ -105,9 +125,10 @@ class CompiledVisionTower(TowerStandIn):
     tower's forward names, or False for a flag it only takes through ``**kwargs`` (a MoE model's
     ``output_router_logits=False``).
 
-    With a ``process_group``, every rank of it must call with the same batch: each encodes its share of the items
-    and every rank returns the whole output (``vgraph_compile.hf.data_parallel``). Set it to None to encode
-    whole batches on this rank again.
+    With a ``process_group``, every rank of it must call with the same batch and every rank returns the whole
+    output: each encodes its share of the items (``parallel="data"``: ``vgraph_compile.hf.data_parallel``), a
+    slice of the rows (``"sequence"``: ``vgraph_compile.hf.sequence_parallel``), or the mode chosen per call
+    (``"auto"``; ``parallel_calls`` counts the choices). Set it to None to encode whole batches on this rank again.
     """
 
     def __init__(
@@ -117,6 +138,8 @@ class CompiledVisionTower(TowerStandIn):
         config: VGraphConfig,
         metadata_cache_size: int = 1024,
         process_group: Any = None,
+        parallel: Parallel = "data",
+        sequence_cost: float = sequence_parallel.DEFAULT_SEQUENCE_COST,
     ) -> None:
         super().__init__(tower)
         self.interface = interface
@@ -133,7 +156,14 @@ class CompiledVisionTower(TowerStandIn):
         self.split_calls = 0
         self.stock_calls = 0
         self.process_group = process_group
-        """A ``torch.distributed`` process group to encode over, data parallel; None: this rank alone."""
+        """A ``torch.distributed`` process group to encode over; None: this rank alone."""
+        if parallel not in ("data", "sequence", "auto"):
+            raise ValueError(f"parallel={parallel!r}: choose 'data', 'sequence' or 'auto'")
+        self.parallel = parallel
+        self.sequence_cost = sequence_cost
+        """``parallel="auto"``: what a sequence-parallel row costs in data-parallel rows (``choose``)."""
+        self.parallel_calls: collections.Counter[str] = collections.Counter()
+        """Calls over the process group per mode ("data", "sequence")."""
         self.load_stats = data_parallel.LoadStats()
         self._reset()
 
@@ -142,6 +172,8 @@ class CompiledVisionTower(TowerStandIn):
         self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=self.vgraph_config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
+        self.__dict__["sequence_graphs"] = None
+        """The sequence-parallel trace (``_SequenceGraphs``), made at the first sequence-parallel call."""
         self.grid_metadata.clear()
 
     @property
@@ -150,11 +182,18 @@ class CompiledVisionTower(TowerStandIn):
         return self.compiled.vgraph.runtimes
 
     def stats_table(self) -> str:
-        """Each runtime's buckets; with data-parallel calls, each rank's load and the imbalance too."""
+        """Each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
+        imbalance; with calls over a process group, the calls per mode."""
         tables = [runtime.stats_table() for runtime in self.runtimes]
+        if self.sequence_graphs is not None:
+            tables.append("sequence parallel:")
+            tables.extend(runtime.stats_table() for runtime in self.sequence_graphs.compiled.vgraph.runtimes)
         if self.load_stats.calls:
             rank = torch.distributed.get_rank(self.process_group) if self.process_group is not None else "-"
             tables.append(self.load_stats.table(rank))
+        if self.parallel_calls:
+            modes = ", ".join(f"{mode} {count}" for mode, count in sorted(self.parallel_calls.items()))
+            tables.append(f"calls over the process group ({self.parallel}): {modes}")
         return "\n".join(tables)
 
     # -- checks ------------------------------------------------------------------------------------------------
@@ -236,7 +275,7 @@ class CompiledVisionTower(TowerStandIn):
 
     def _serve(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         if self.process_group is not None:
-            return self._serve_data_parallel(pixel_values, grid_thw)
+            return self._serve_parallel(pixel_values, grid_thw)
         grid = self._check(pixel_values, grid_thw)
         self.warmup()
         return self._output(self._encode(pixel_values, grid))
@@ -257,8 +296,9 @@ class CompiledVisionTower(TowerStandIn):
             self.split_calls += 1
             return self._split(pixel_values, grid, batches)
 
-    def _serve_data_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        """Every rank checks that all got the same batch, encodes its share, and gathers everyone's outputs."""
+    def _serve_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """Every rank checks that all got the same batch, encodes its share (items or rows, by ``parallel``), and
+        gathers everyone's outputs."""
         group = self.process_group
         try:
             grid, refused = self._check(pixel_values, grid_thw), None
@@ -274,8 +314,17 @@ class CompiledVisionTower(TowerStandIn):
                 "input): every rank must pass the same full batch (pixel_values, grid_thw), as tensor-parallel "
                 "ranks receive the same multimodal inputs"
             )
-        self.warmup()
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        mode = self.parallel
+        if grid and ranks > 1 and mode != "data":
+            split = self._row_split(tuple(grid), ranks)
+            if mode == "auto":
+                mode = sequence_parallel.choose(grid, split, self.sequence_cost)
+            if mode == "sequence":
+                self.parallel_calls[mode] += 1
+                return self._output(self._encode_sequence(pixel_values, split, self._sequence_graphs()))
+        self.parallel_calls["data"] += 1
+        self.warmup()
         assignment = data_parallel.assign(grid, ranks)
         self.load_stats.record(assignment)
         if not grid:
@@ -289,9 +338,61 @@ class CompiledVisionTower(TowerStandIn):
         flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
         return self._output(data_parallel.gather(local, flat_folds, units, assignment, rank, group))
 
-    def _routing(self) -> contextlib.AbstractContextManager:
+    # -- sequence parallel --------------------------------------------------------------------------------------
+    def _row_split(self, grid: Grid, ranks: int) -> sequence_parallel.Split:
+        unit, _ = rows_per_unit(self.interface.outputs)
+        return sequence_parallel.split_rows(grid, self.geometry, ranks, unit)
+
+    def _sequence_graphs(self) -> _SequenceGraphs:
+        """The sequence trace over the current process group; made, and warmed up on every rank at once (each rank
+        one synthetic image of 2 x 2 windows), at the group's first sequence-parallel call."""
+        group = self.process_group
+        if self.sequence_graphs is not None and self.sequence_graphs.group is group:
+            return self.sequence_graphs
+        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        window_keys = self.vgraph_config.window_offsets
+        window_inputs = tuple(f"metadata_{key}" for key in window_keys)  # TowerCall's **metadata, as dynamo names it
+        config = sequence_parallel.sequence_config(self.vgraph_config, group.group_name, ranks, window_inputs)
+
+        def localize(grid: Grid, metadata: dict[str, Any]) -> dict[str, Any]:
+            relations = self.interface.metadata_patches_per_row
+            split = self._row_split(grid, ranks)
+            return sequence_parallel.localize(metadata, relations, window_keys, split, rank)
+
+        graphs = _SequenceGraphs(
+            group,
+            rank,
+            ranks,
+            encoder(TowerCall(self.tower, self.interface), config=config),
+            GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize),
+        )
+        self.__dict__["sequence_graphs"] = graphs
+        side = 2 * self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
+        grid = ((1, side, side),) * ranks
+        parameter = self.parameter
+        shape = (ranks * side * side, *self.interface.pixel_shape)
+        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            self._encode_sequence(pixel_values, self._row_split(grid, ranks), graphs)
+        return graphs
+
+    def _encode_sequence(
+        self, pixel_values: torch.Tensor, split: sequence_parallel.Split, graphs: _SequenceGraphs
+    ) -> list[torch.Tensor]:
+        """The flat output fields of the whole batch, this rank encoding its slice of the rows."""
+        start, stop = split.rows(graphs.rank)
+        padding = pixel_values.new_zeros(split.slice_rows - (stop - start), *pixel_values.shape[1:])
+        rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
+        with self._routing(graphs.compiled):
+            local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
+        unit, folds = rows_per_unit(self.interface.outputs)
+        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+        return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
+
+    def _routing(self, compiled=None) -> contextlib.AbstractContextManager:
         """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
-        return contextlib.nullcontext() if self.compiled.traced else routed_attention(self.tower)
+        traced = (compiled or self.compiled).traced
+        return contextlib.nullcontext() if traced else routed_attention(self.tower)
 
     def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
@@ -334,6 +435,8 @@ def compile_packed_tower(
     max_items: int = 8,
     max_frames: int | None = None,
     process_group: Any = None,
+    parallel: Parallel = "data",
+    sequence_cost: float = sequence_parallel.DEFAULT_SEQUENCE_COST,
     **options: Any,
 ) -> CompiledVisionTower:
     """Compile a packed tower (``model.visual``: its forward takes a grid) with the vgraph backend, bounded by the
@@ -345,9 +448,12 @@ def compile_packed_tower(
     the offsets are built from the checked ``grid_thw`` (so no call reads device data back). Returns a module
     that can replace the tower in its model; while it is in training mode the stock tower serves it.
 
-    ``process_group`` (a ``torch.distributed`` group, NCCL or gloo): encode data parallel over its ranks. Every
-    rank calls with the same full batch and gets the full output, equal to a single-process call; each encodes
-    a share of the items balanced by patches (``vgraph_compile.hf.data_parallel``). None: this process alone.
+    ``process_group`` (a ``torch.distributed`` group, NCCL or gloo): encode over its ranks. Every rank calls with
+    the same full batch and gets the full output, equal to a single-process call. ``parallel``: ``"data"``, each
+    rank encodes a share of the items balanced by patches (``vgraph_compile.hf.data_parallel``); ``"sequence"``,
+    each encodes a slice of the packed rows, its full attention spanning the ranks
+    (``vgraph_compile.hf.sequence_parallel``); ``"auto"``, per call, sequence when its slice at ``sequence_cost``
+    per row is smaller than the most loaded data-parallel rank's share. None: this process alone.
     """
     if isinstance(tower, CompiledVisionTower):
         tower = tower.tower
@@ -368,4 +474,6 @@ def compile_packed_tower(
         check_values=options.pop("check_values", False),
         **options,
     )
-    return CompiledVisionTower(tower, interface, config, process_group=process_group)
+    return CompiledVisionTower(
+        tower, interface, config, process_group=process_group, parallel=parallel, sequence_cost=sequence_cost
+    )

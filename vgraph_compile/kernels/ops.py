@@ -5,7 +5,9 @@ Invariants:
   same device, starting at 0 and non-decreasing; ``max_seqlen`` bounds every segment length;
 - the output is a fresh contiguous ``[tokens, heads, head_dim]`` tensor whose rows at or past
   ``cu_seqlens[-1]`` are exactly zero, whatever the kernel wrote there;
-- no host synchronisation: the op runs inside captured CUDA graphs.
+- no host synchronisation: the op runs inside captured CUDA graphs;
+- with ``sequence_ranks > 1`` (set by the ``sequence_attention`` rewrite, never by a model) q/k/v are this rank's
+  slice of rows and ``cu_seqlens`` the whole sequence's: ``kernels/sequence.py`` states that layout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vgraph_compile.kernels import registry
+from vgraph_compile.kernels.sequence import sequence_attention
 
 __all__ = ["varlen_attention", "VARLEN_ATTENTION", "packed_varlen_attention", "PACKED_VARLEN_ATTENTION"]
 
@@ -27,11 +30,15 @@ def _varlen_attention(
     max_seqlen: int,
     scale: float | None = None,
     backend: str = "default",
+    sequence_group: str = "",
+    sequence_ranks: int = 1,
 ) -> torch.Tensor:
     """Attention of packed ``[tokens, heads, head_dim]`` q/k/v within the segments ``cu_seqlens`` marks.
 
     ``backend`` names an implementation in ``vgraph_compile.kernels`` (``"default"``: FlashAttention-2 for
     fp16/bf16 on CUDA, the SDPA reference elsewhere). A compiled graph replaces it with the configured one.
+    ``sequence_group`` / ``sequence_ranks``: the process group (by name) whose ranks each hold a slice of the rows;
+    the compiled graphs of a sequence-parallel tower set them (``rewrite/sequence_attention``).
     """
     resolved = registry.resolve(backend, q.device, q.dtype)
     if resolved.packed:
@@ -39,9 +46,15 @@ def _varlen_attention(
             f"backend {backend!r} reads packed [Q/K/O | V] offsets: call packed_varlen_attention, or compile with "
             "vgraph, whose lower_packed pass builds them"
         )
-    out = _at_supported_head_dim(resolved, q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
-    rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
-    return out.masked_fill_((rows >= cu_seqlens[-1])[:, None, None], 0)
+
+    def attend(q, k, v, cu_seqlens, max_seqlen):
+        out = _at_supported_head_dim(resolved, q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
+        rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
+        return out.masked_fill_((rows >= cu_seqlens[-1])[:, None, None], 0)
+
+    if sequence_ranks > 1:
+        return sequence_attention(attend, q, k, v, cu_seqlens, sequence_group, sequence_ranks)
+    return attend(q, k, v, cu_seqlens, max_seqlen)
 
 
 def _at_supported_head_dim(backend, q, k, v, cu_seqlens, max_seqlen, scale):
@@ -57,7 +70,7 @@ def _at_supported_head_dim(backend, q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 @_varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="default"):
+def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="default", sequence_group="", sequence_ranks=1):
     return q.new_empty(q.shape)
 
 

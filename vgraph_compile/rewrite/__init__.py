@@ -4,9 +4,11 @@ Order, and why:
 1. ``fold_scalars`` (both copies): ``.item()`` of scalar inputs becomes the traced value, before anything is
    compiled or captured (a captured graph cannot read the host).
 2. ``select_kernel`` (both copies): each attention site names its kernel.
-3. ``lower_packed`` (both copies): after the kernel is known, builds packed offsets for the sites whose kernel
+3. ``sequence_attention`` (both copies): with ``sequence_parallel`` set, full-attention sites attend over the
+   process group; after ``select_kernel`` (it replaces a packed kernel there), before ``lower_packed``.
+4. ``lower_packed`` (both copies): after the kernel is known, builds packed offsets for the sites whose kernel
    reads them.
-4. ``align_matmuls`` (the compiled copy only): pads misaligned matmul widths; last, since it changes parameter
+5. ``align_matmuls`` (the compiled copy only): pads misaligned matmul widths; last, since it changes parameter
    shapes that only the build binds.
 No pass specializes sizes: the compiled graph stays symbolic and every bucket runs it at its own sizes.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch.fx
 
 from vgraph_compile.fx_utils import Pass, apply_pass
-from vgraph_compile.rewrite import align_matmuls, fold_scalars, lower_packed, select_kernel
+from vgraph_compile.rewrite import align_matmuls, fold_scalars, lower_packed, select_kernel, sequence_attention
 from vgraph_compile.spec import PassContext
 
 __all__ = ["REWRITES", "COMPILE_REWRITES", "rewrite"]
@@ -24,6 +26,7 @@ __all__ = ["REWRITES", "COMPILE_REWRITES", "rewrite"]
 REWRITES: tuple[tuple[str, Pass], ...] = (
     ("fold_scalars", fold_scalars.run),
     ("select_kernel", select_kernel.run),
+    ("sequence_attention", sequence_attention.run),
     ("lower_packed", lower_packed.run),
 )
 """Rewrites of every copy that runs: the eager fallback and the compiled graph."""
