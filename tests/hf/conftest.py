@@ -13,3 +13,12 @@ def towers():
     from vgraph_compile.models.qwen_towers import qwen_tower
 
     return {name: qwen_tower(name, device="cpu", dtype=torch.float32, **size) for name, size in TOY_SIZES.items()}
+
+
+@pytest.fixture(scope="session", params=[2, 3])
+def gloo_group(request, tmp_path_factory):
+    """(ranks, each rank's {check: "ok" or traceback}) from one spawned group of gloo processes that ran the
+    multi-process checks of tests/hf (``tests/hf/gloo_group.py``)."""
+    from tests.hf.gloo_group import spawn
+
+    return spawn(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))

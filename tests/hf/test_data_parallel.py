@@ -3,17 +3,11 @@ toy Qwen2-VL / 2.5-VL / 3-VL towers and a whole tiny Qwen3-VL: every rank's outp
 (every field, Qwen2.5-VL's window-permuted last_hidden_state and Qwen3-VL's deepstack features included), greedy
 tokens equal to the stock model's, and mismatched batches raising on every rank.
 
-Each group is spawned once (module fixture) and runs every check in turn; each rank writes what each check
-gave (``ok`` or the traceback) to a file, and the tests read them. The single-process call is the same compiled
-tower with ``process_group=None``: the same graphs, no collective.
+The groups (``tests/hf/gloo_group.py``) run the checks of ``CHECKS``. The single-process call is the same
+compiled tower with ``process_group=None``: the same graphs, no collective.
 """
 
-import datetime
-import functools
-import json
-import os
 import random
-import traceback
 
 import pytest
 import torch
@@ -22,6 +16,15 @@ from expecttest import assert_expected_inline
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.hf.gloo_group import (
+    assert_passed,
+    compiled,
+    fields,
+    inputs,
+    parallel,
+    tiny_vlm,
+    vlm_equals_stock,
+)
 from vgraph_compile.hf.data_parallel import Assignment, LoadStats, assign, grid_hash
 
 rows = st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12))
@@ -69,12 +72,7 @@ imbalance (max/mean patches per call): mean 1.526, worst 2.000""",
     )
 
 
-# -- groups of processes ------------------------------------------------------------------------------------------
-OPTIONS = dict(token_budgets=[64, 256], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa")
-"""Small buckets: over 3 items, 6 frames or 256 patches split a rank's share; a 24x24 image (576 patches) runs
-eagerly."""
-
-
+# -- groups of processes (tests/hf/gloo_group.py) ----------------------------------------------------------------
 def _random_grid(seed: int) -> list[tuple[int, int, int]]:
     rng = random.Random(seed)
     return [(rng.choice([1, 1, 2]), 2 * rng.randint(2, 8), 2 * rng.randint(2, 8)) for _ in range(rng.randint(2, 8))]
@@ -90,30 +88,8 @@ CASES = {
 """Grids (t, h, w) in patches."""
 
 
-def _inputs(tower, grid, seed):
-    (width,) = tower.interface.pixel_shape
-    patches = sum(t * h * w for t, h, w in grid)
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(patches, width, generator=generator), torch.tensor(grid, dtype=torch.int64).view(-1, 3)
-
-
-def _fields(out):
-    return [out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ())]
-
-
 FAMILIES = {2: ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"], 3: ["qwen2.5-vl"]}
 """The towers each group runs (each traces once per process, some 3 s of CPU): 3 ranks run the window-ordered one."""
-
-
-@functools.cache
-def _compiled(name: str, group):
-    from tests.hf.conftest import TOY_SIZES
-    from vgraph_compile.hf import compile_vision_tower
-    from vgraph_compile.models.qwen_towers import qwen_tower
-
-    return compile_vision_tower(
-        qwen_tower(name, "cpu", torch.float32, **TOY_SIZES[name]), process_group=group, **OPTIONS
-    )
 
 
 def _single(tower, pixel_values, grid_thw):
@@ -127,14 +103,14 @@ def _single(tower, pixel_values, grid_thw):
 
 def _towers_equal_single_process(group):
     for name in FAMILIES[dist.get_world_size(group)]:
-        tower = _compiled(name, group)
+        tower = compiled(name, group)
         for seed, (case, grid) in enumerate(CASES.items()):
-            pixel_values, grid_thw = _inputs(tower, grid, seed)
+            pixel_values, grid_thw = inputs(tower, grid, seed)
             with torch.no_grad():
                 out, single = tower(pixel_values, grid_thw), _single(tower, pixel_values, grid_thw)
             assert type(out) is type(single), (name, case)
-            assert len(_fields(out)) == len(_fields(single)) == (3 if name == "qwen3-vl" else 2)
-            for mine, theirs in zip(_fields(out), _fields(single)):
+            assert len(fields(out)) == len(fields(single)) == (3 if name == "qwen3-vl" else 2)
+            for mine, theirs in zip(fields(out), fields(single)):
                 assert mine.shape == theirs.shape, (name, case)
                 torch.testing.assert_close(
                     mine, theirs, rtol=1e-5, atol=1e-5, msg=lambda m, at=f"{name}, {case}": f"{at}: {m}"
@@ -146,13 +122,13 @@ def _towers_equal_single_process(group):
 def _mismatched_batches_raise_on_every_rank(group):
     """Different item order on rank 0, then float64 pixels on the last rank only: every rank raises a ValueError
     before the gather (the last rank its own input error), and the group serves the next call."""
-    tower = _compiled("qwen2.5-vl", group)
+    tower = compiled("qwen2.5-vl", group)
     rank, last = dist.get_rank(group), dist.get_world_size(group) - 1
     grid = [(1, 8, 4), (1, 8, 8)]
-    pixel_values, grid_thw = _inputs(tower, grid if rank else grid[::-1], 0)
+    pixel_values, grid_thw = inputs(tower, grid if rank else grid[::-1], 0)
     with torch.no_grad(), pytest.raises(ValueError, match="were called with different grid_thw"):
         tower(pixel_values, grid_thw)
-    pixel_values, grid_thw = _inputs(tower, grid, 0)
+    pixel_values, grid_thw = inputs(tower, grid, 0)
     message = "is torch.float64 on cpu but the tower is torch.float32" if rank == last else "different grid_thw"
     with torch.no_grad(), pytest.raises(ValueError, match=message):
         tower(pixel_values.double() if rank == last else pixel_values, grid_thw)
@@ -162,38 +138,12 @@ def _mismatched_batches_raise_on_every_rank(group):
 
 
 def _vlm_greedy_tokens_equal_stock(group):
-    """A whole tiny Qwen3-VL (deepstack features feed the language model), two prompts with three photos and a
-    video clip: compile_vlm over the group gives the stock logits and greedy tokens on every rank."""
-    from vgraph_compile.hf import compile_vlm
-    from vgraph_compile.models.qwen_vlms import (
-        Item,
-        Request,
-        image_processor,
-        model_inputs,
-        photos,
-        qwen_vlm,
-        video_clip,
-    )
-
-    model = qwen_vlm("qwen3-vl")
-    photo = photos()
-    clip = video_clip(photo["astronaut"], frames=4, size=(112, 112), step=16)
-    requests = [
-        Request((Item("image", photo["coffee"]), Item("video", clip)), (7, 3, 2), seed=1),
-        Request((Item("image", photo["chelsea"], (150, 220)), Item("image", photo["rocket"])), (4, 2, 9), seed=2),
-    ]
-    inputs = model_inputs(model, requests, image_processor(model.config, max_patches=128))
-    with torch.no_grad():
-        logits = model(**inputs).logits
-        tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    compile_vlm(model, process_group=group, **{**OPTIONS, "max_items": 4})
-    with torch.no_grad():
-        mine = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    tower = model.model.visual
-    assert tower.load_stats.calls >= 2 and tower.stock_calls == 0  # images and video, data parallel
-    torch.testing.assert_close(mine, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
-    assert torch.equal(generated, tokens)
+    """A whole tiny Qwen3-VL, two prompts with three photos and a video clip: compile_vlm over the group, data
+    parallel, gives the stock logits and greedy tokens on every rank."""
+    model = tiny_vlm(group)[0]
+    with parallel(model.model.visual, "data"):
+        calls = vlm_equals_stock(group)
+    assert calls == {"data": calls["data"]} and calls["data"] >= 2  # images and video, data parallel
 
 
 CHECKS = {
@@ -202,54 +152,14 @@ CHECKS = {
 }
 
 
-def _rank(rank: int, ranks: int, directory: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{directory}/init",
-        rank=rank,
-        world_size=ranks,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    results = {}
-    try:
-        for check in CHECKS[ranks]:
-            try:
-                check(dist.group.WORLD)
-                results[check.__name__] = "ok"
-            except Exception:
-                results[check.__name__] = traceback.format_exc()
-    finally:
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
-            json.dump(results, handle)
-        dist.destroy_process_group()
+def test_towers_equal_single_process(gloo_group):
+    assert_passed(gloo_group, _towers_equal_single_process, CHECKS)
 
 
-@pytest.fixture(scope="module", params=sorted(CHECKS))
-def group_results(request, tmp_path_factory):
-    """(ranks, one {check: "ok" or traceback} per rank) from one spawned group of gloo processes."""
-    ranks = request.param
-    directory = tmp_path_factory.mktemp(f"gloo{ranks}")
-    torch.multiprocessing.spawn(_rank, args=(ranks, str(directory)), nprocs=ranks)
-    return ranks, [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+def test_mismatched_batches_raise_on_every_rank(gloo_group):
+    assert_passed(gloo_group, _mismatched_batches_raise_on_every_rank, CHECKS)
 
 
-def _check(group_results, check) -> None:
-    ranks, results = group_results
-    if check not in CHECKS[ranks]:
-        pytest.skip(f"not run in the group of {ranks}")
-    for rank, result in enumerate(results):
-        assert result[check.__name__] == "ok", f"rank {rank} of {ranks}:\n{result[check.__name__]}"
-
-
-def test_towers_equal_single_process(group_results):
-    _check(group_results, _towers_equal_single_process)
-
-
-def test_mismatched_batches_raise_on_every_rank(group_results):
-    _check(group_results, _mismatched_batches_raise_on_every_rank)
-
-
-def test_vlm_greedy_tokens_equal_stock(group_results):
+def test_vlm_greedy_tokens_equal_stock(gloo_group):
     pytest.importorskip("skimage", reason="the sample photographs come with scikit-image")
-    _check(group_results, _vlm_greedy_tokens_equal_stock)
+    assert_passed(gloo_group, _vlm_greedy_tokens_equal_stock, CHECKS)

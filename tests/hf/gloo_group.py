@@ -1,0 +1,153 @@
+"""Groups of gloo processes for the multi-process tests of ``tests/hf`` (data- and sequence-parallel encoding).
+
+One group per size is spawned for the whole session (the ``gloo_group`` fixture) and runs the ``CHECKS[ranks]``
+of every module in ``CHECK_MODULES`` in turn; the checks share the compiled toy towers and the whole tiny VLM of
+their process (``compiled``, ``tiny_vlm``), each switching the mode it tests (``parallel``). Each rank writes what
+each check gave (``ok`` or the traceback) to a file, and the tests read them (``assert_passed``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import functools
+import importlib
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+CHECK_MODULES = ("tests.hf.test_data_parallel", "tests.hf.test_sequence_parallel")
+
+OPTIONS = dict(token_budgets=[64, 256], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa")
+"""Small buckets: over 3 items, 6 frames or 256 patches split a rank's share (data parallel), or a rank's slice
+over 256 patches runs its trace eagerly (sequence parallel, on every rank alike)."""
+
+
+@functools.cache
+def compiled(name: str, group):
+    """The toy tower ``name`` (``TOY_SIZES``) compiled over ``group``, once per process."""
+    from vgraph_compile.hf import compile_vision_tower
+    from vgraph_compile.models.qwen_towers import TOY_SIZES, qwen_tower
+
+    tower = qwen_tower(name, "cpu", torch.float32, **TOY_SIZES[name])
+    return compile_vision_tower(tower, process_group=group, **OPTIONS)
+
+
+@contextlib.contextmanager
+def parallel(tower, mode: str) -> Iterator[collections.Counter]:
+    """``tower`` encoding in ``mode`` inside the block; yields the calls counted per mode in it."""
+    before, tower.parallel = tower.parallel, mode
+    calls, tower.parallel_calls = tower.parallel_calls, collections.Counter()
+    try:
+        yield tower.parallel_calls
+    finally:
+        tower.parallel, tower.parallel_calls = before, calls + tower.parallel_calls
+
+
+def inputs(tower, grid, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pixel rows for ``grid`` (t, h, w patches per item) and the grid as ``grid_thw``."""
+    (width,) = tower.interface.pixel_shape
+    patches = sum(t * h * w for t, h, w in grid)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(patches, width, generator=generator), torch.tensor(grid, dtype=torch.int64).view(-1, 3)
+
+
+def fields(out) -> list[torch.Tensor]:
+    """The tensors of a tower's output: pooler_output, last_hidden_state and Qwen3-VL's deepstack features."""
+    return [out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ())]
+
+
+@functools.cache
+def tiny_vlm(group):
+    """A whole tiny Qwen3-VL (deepstack features feed the language model) with ``compile_vlm`` over ``group``, two
+    prompts with three photos and a video clip, and the stock model's logits and greedy tokens on them:
+    ``(model, inputs, logits, tokens)``."""
+    from vgraph_compile.hf import compile_vlm
+    from vgraph_compile.models.qwen_vlms import (
+        Item,
+        Request,
+        image_processor,
+        model_inputs,
+        photos,
+        qwen_vlm,
+        video_clip,
+    )
+
+    model = qwen_vlm("qwen3-vl")
+    photo = photos()
+    clip = video_clip(photo["astronaut"], frames=4, size=(112, 112), step=16)
+    requests = [
+        Request((Item("image", photo["coffee"]), Item("video", clip)), (7, 3, 2), seed=1),
+        Request((Item("image", photo["chelsea"], (150, 220)), Item("image", photo["rocket"])), (4, 2, 9), seed=2),
+    ]
+    model_in = model_inputs(model, requests, image_processor(model.config, max_patches=128))
+    with torch.no_grad():
+        logits = model(**model_in).logits
+        tokens = model.generate(**model_in, max_new_tokens=4, do_sample=False)
+    compile_vlm(model, process_group=group, **{**OPTIONS, "max_items": 4})
+    return model, model_in, logits, tokens
+
+
+def vlm_equals_stock(group) -> collections.Counter:
+    """The tiny VLM's logits and greedy tokens through its compiled tower equal the stock model's; returns the
+    tower's calls per mode."""
+    model, model_in, logits, tokens = tiny_vlm(group)
+    tower = model.model.visual
+    stock_calls = tower.stock_calls
+    with torch.no_grad():
+        mine = model(**model_in).logits
+        generated = model.generate(**model_in, max_new_tokens=4, do_sample=False)
+    assert tower.stock_calls == stock_calls
+    torch.testing.assert_close(mine, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
+    assert torch.equal(generated, tokens)
+    return tower.parallel_calls
+
+
+def _check_name(check: Callable) -> str:
+    return f"{check.__module__}.{check.__name__}"
+
+
+def _rank(rank: int, ranks: int, directory: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{directory}/init",
+        rank=rank,
+        world_size=ranks,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    results = {}
+    try:
+        for module in CHECK_MODULES:
+            for check in importlib.import_module(module).CHECKS.get(ranks, []):
+                try:
+                    check(dist.group.WORLD)
+                    results[_check_name(check)] = "ok"
+                except Exception:
+                    results[_check_name(check)] = traceback.format_exc()
+    finally:
+        with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
+            json.dump(results, handle)
+        dist.destroy_process_group()
+
+
+def spawn(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
+    """Run every module's checks in one spawned group of ``ranks`` gloo processes: (ranks, each rank's results)."""
+    torch.multiprocessing.spawn(_rank, args=(ranks, str(directory)), nprocs=ranks)
+    return ranks, [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def assert_passed(group: tuple[int, list[dict[str, str]]], check: Callable, checks: dict[int, list]) -> None:
+    """``check`` passed on every rank of the group (skipped where its module does not run it at that size)."""
+    ranks, results = group
+    if check not in checks.get(ranks, []):
+        pytest.skip(f"not run in the group of {ranks}")
+    for rank, result in enumerate(results):
+        assert result[_check_name(check)] == "ok", f"rank {rank} of {ranks}:\n{result[_check_name(check)]}"
