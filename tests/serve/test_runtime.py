@@ -295,10 +295,7 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
 
     monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
-    compiled = vgraph_compile.encoder(
-        model, token_budgets=BUDGETS, max_segments=6, compiler="eager",
-        call_choice="smallest_bucket",
-    )
+    compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
     with monkeypatch.context() as patch:
         patch.setattr("vgraph_compile.compile.build._cudagraphs", lambda ctx: True)
         inputs = pack_images([3, 4], 12)  # fits the 16 bucket, which the capture drops
@@ -335,8 +332,7 @@ COSTS = CallCosts(budgets=BUDGETS, replay_ms=(1.0, 2.0, 10.0), eager_ms=(5.0, 6.
 def routed(model):
     """Served with ``call_choice="measured"``: the warm-up (first call) times each bucket and the eager graph."""
     compiled = vgraph_compile.encoder(
-        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa",
-        call_choice="measured",
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa", call_choice="measured"
     )
     with torch.no_grad():
         compiled(*pack_images([5, 7], 12))

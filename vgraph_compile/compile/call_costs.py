@@ -28,7 +28,7 @@ __all__ = ["CallCosts", "fill_full", "measure_call_costs"]
 
 log = logging.getLogger(__name__)
 
-REPEATS = 5
+REPEATS = 3
 
 
 @dataclass(frozen=True)

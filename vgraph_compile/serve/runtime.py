@@ -6,7 +6,7 @@ replay (or run) the bucket, narrow the outputs to the real sizes and copy them o
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
-With ``call_choice="measured"`` (the default with CUDA graphs), the warm-up also times every bucket's replay and
+With ``call_choice="measured"``, the warm-up also times every bucket's replay and
 the eager graph at its sizes (``compile/call_costs``), and a call that fits a bucket takes the cheapest by that
 table of: padding it to the smallest bucket, splitting it at a segment boundary over two smaller buckets (where
 ``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), and running
@@ -104,9 +104,7 @@ class VGraphRuntime:
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
-        self.measured = self.config.call_choice == "measured" or (
-            self.config.call_choice is None and encoder.cudagraphs
-        )
+        self.measured = self.config.call_choice == "measured"
         """Whether calls are routed by the cost table (``call_choice``)."""
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up when ``measured``)."""
