@@ -156,7 +156,7 @@ def measure_tower(family, device, peak, repeats, warmup, toy, breakdown) -> dict
 def measure_encoder(device, peak, repeats, warmup, toy) -> dict:
     sizes = dict(width=64, depth=2, heads=4, mlp=96, positions=4096) if toy else {}
     model = So400mEncoder(**sizes).to(device, torch.bfloat16).eval()
-    options = {"compiler": "eager", "max_tokens": 16384} if toy else {}
+    options = {"compiler": "eager", "max_tokens": 1024} if toy else {}
     served = vgraph_compile.encoder(model, **options)
     result = {"cases": {}}
     counter = torch.Generator().manual_seed(0)
@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     begin = time.perf_counter()
     device = torch.device("cpu" if args.toy else "cuda")
-    repeats, warmup = (2, 1) if args.toy else (20, 3)
+    repeats, warmup = (1, 0) if args.toy else (20, 3)
     peak = None if args.toy else matmul_peak_tflops()
     tag = "cpu" if args.toy else torch.cuda.get_device_name().split()[-1].lower()
     path = args.json or str(RESULTS / f"large_images_{tag}.json")
