@@ -26,7 +26,6 @@ def test_toy_run_times_every_case_or_skips_videos(tmp_path, family, images_only)
     report = _script().main([family, "--toy", "--json", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     assert report["tower"] == family and report["retraces"] == 0 and report["device"] == "cpu"
-    assert "1x1792^2" in report["cases"]
     video = report["cases"].pop("video 16f 336^2")
     assert ("skipped" in video) == images_only
     if images_only:
