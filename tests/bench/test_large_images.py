@@ -1,23 +1,14 @@
 """benchmarks/large_images.py --toy: the So400m-shaped encoder part on the CPU (the tower part is hf_towers.py's
 path, tested there): every case served and timed against eager, equal to eager, with its FLOPs counted by hand."""
 
-import importlib.util
 import json
-import pathlib
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "benchmarks" / "large_images.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("large_images", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import benchmark_script
 
 
 def test_toy_encoder_run_matches_eager_and_counts_flops(tmp_path):
     path = tmp_path / "report.json"
-    script = _script()
+    script = benchmark_script("large_images")
     report = script.main(["--toy", "--towers", "--json", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     cases = report["so400m_encoder"]["cases"]
