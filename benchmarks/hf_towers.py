@@ -6,7 +6,7 @@ then, one tower per run:
   ``pooler_output``), on random batches and per fixed case;
 - random batches after warm-up: no dynamo retrace and no CUDA graph re-record;
 - median latency of the stock tower (sdpa) and of vgraph on the bench's fixed cases (1x224^2, 4x336^2, 3 mixed,
-  1x1344^2, a 16-frame 336^2 video), and the MFU of vgraph per case (``bench.flops.tower_flops`` over the
+  1x1344^2, a 16-frame 336^2 video, and one large image, 1x1792^2), and the MFU of vgraph per case (``bench.flops.tower_flops`` over the
   measured bf16 matmul rate). A family whose stock tower fails on videos (served on images only) records the
   video case as skipped, with the reason. The stock tower computes its metadata on grid_thw's device, so it gets
   grid_thw on the GPU.
@@ -37,6 +37,8 @@ from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.models.hf_families import build_tower
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+CASES = {**CASES_PX, "1x1792^2": [(1, 1792, 1792)]}
+"""The bench's fixed cases and one large image (a document page); ``--toy`` runs the bench's cases only."""
 TOY_SCALE = 4
 """``--toy``: each case's sides divided by this (56^2 ... 336^2), so the CPU run stays short."""
 TOY_BUDGETS = {"min_tokens": 256, "max_tokens": 2048}
@@ -142,7 +144,7 @@ def main(argv=None) -> dict:
             tower(pixels(grid_thw, torch.bfloat16), grid_thw)
         report["rerecords"] = (cuda_graph_captures() if device.type == "cuda" else 0) - graphs
         report["retraces"] = len(tower.runtimes) - traces
-        for case, items_px in CASES_PX.items():
+        for case, items_px in (CASES_PX if args.toy else CASES).items():
             grid_thw = grid_of(items_px)
             if images_only and bool((grid_thw[:, 0] > 1).any()):
                 report["cases"][case] = {"skipped": f"images only: {interface.video_failure}"}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import pathlib
 from typing import Iterator
 
 import torch
@@ -95,3 +97,12 @@ def isolation_case(
     dirty = [t.clone() for t in clean]
     dirty[tensor][int(cu[poisoned]) + row, row % heads, row % head_dim] = value
     return clean, dirty, cu.to(device)
+
+
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the scripts are not a package)."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

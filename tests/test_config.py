@@ -33,6 +33,7 @@ def test_defaults():
         (dict(max_segments=0), "max_segments must be positive"),
         (dict(attention_backend="flash"), "attention_backend='flash' is unknown"),
         (dict(compiler="aot"), "compiler='aot' is unknown"),
+        (dict(call_choice="fastest"), "call_choice='fastest' is unknown: use 'measured' or 'smallest_bucket'"),
         (dict(window_offsets="cu_windows"), r"window_offsets='cu_windows' is a string: .* \('cu_windows',\)"),
     ],
 )

@@ -60,6 +60,11 @@ class VGraphConfig:
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
+    call_choice: Literal["measured", "smallest_bucket"] = "smallest_bucket"
+    """How a call that fits a bucket is run. measured: the cheapest of padding it to the smallest bucket, splitting
+    it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``) and running it
+    eagerly, by the cost table timed at warm-up (``compile/call_costs``; the warm-up then also runs the eager
+    graph at every bucket's sizes); smallest_bucket: always the smallest bucket."""
     compiler: Literal["inductor", "eager"] = "inductor"
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
     (fast to build; for tests and debugging)."""
@@ -139,6 +144,10 @@ class VGraphConfig:
             )
         object.__setattr__(self, "segments", segments)
 
+        if self.call_choice not in ("measured", "smallest_bucket"):
+            raise ValueError(
+                f"VGraphConfig.call_choice={self.call_choice!r} is unknown: use 'measured' or 'smallest_bucket'"
+            )
         if self.attention_backend not in ("auto", "default", *BACKENDS):
             raise ValueError(
                 f"VGraphConfig.attention_backend={self.attention_backend!r} is unknown: "

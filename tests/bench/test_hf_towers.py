@@ -2,28 +2,19 @@
 and vgraph with vgraph's error against the fp32 tower and a FLOP count, or, for a tower served on images only,
 recorded as skipped with the reason; no retrace after warm-up."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
+from tests.helpers import benchmark_script
+
 pytest.importorskip("transformers", minversion="5.23")
-
-SCRIPT = pathlib.Path(__file__).parents[2] / "benchmarks" / "hf_towers.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("hf_towers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("family, images_only", [("exaone4_5", False), ("kimi_k25", True)])
 def test_toy_run_times_every_case_or_skips_videos(tmp_path, family, images_only):
     path = tmp_path / "report.json"
-    report = _script().main([family, "--toy", "--json", str(path)])
+    report = benchmark_script("hf_towers").main([family, "--toy", "--json", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     assert report["tower"] == family and report["retraces"] == 0 and report["device"] == "cpu"
     video = report["cases"].pop("video 16f 336^2")

@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 import vgraph_compile
 from tests.helpers import counter_changes
+from vgraph_compile.compile.call_costs import CallCosts
 from vgraph_compile.counters import counters
 from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.serve.runtime import EAGER, PADDED, SPLIT
 
 BUDGETS = (16, 64, 128)
 
@@ -317,3 +319,64 @@ def test_a_nonfinite_value_stays_in_its_segment(one_block, inductor_compiled, po
     assert not out[:9].isfinite().all()
     assert out[9:].isfinite().all()
     torch.testing.assert_close(out[9:], clean[9:], rtol=1e-6, atol=1e-6)
+
+
+# -- the per-call choice by measured costs -----------------------------------------------------------------------
+
+COSTS = CallCosts(budgets=BUDGETS, replay_ms=(1.0, 2.0, 10.0), eager_ms=(5.0, 6.0, 7.0))
+"""A cost table of the shape a large encoder measures at its largest bucket: replays grow with the budget, the
+128 bucket costing more than two 64s and more than eager near 70 rows (eager: 6 + 1/64 ms per row over 64)."""
+
+
+@pytest.fixture(scope="module")
+def routed(model):
+    """Served with ``call_choice="measured"``: the warm-up (first call) times each bucket and the eager graph."""
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa", call_choice="measured"
+    )
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+    return compiled, compiled.vgraph.runtimes[0]
+
+
+def test_the_warmup_measures_a_replay_and_an_eager_time_per_bucket(routed):
+    costs = routed[1].costs
+    assert costs.budgets == BUDGETS
+    assert all(ms > 0 for ms in costs.replay_ms + costs.eager_ms)
+
+
+@pytest.mark.parametrize(
+    "lengths, choice, replays",
+    [
+        ([10], PADDED, 1),  # bucket 16 at 1.0 ms against eager at 5.0; no two buckets cost under 1.0
+        ([20, 20], PADDED, 1),  # bucket 64 at 2.0; the cheapest pair holding 40 rows (16 + 64) costs 3.0
+        ([35, 35], SPLIT, 2),  # bucket 128 at 10.0, eager ~6.1; cut after segment 1: 64 + 64 = 4.0
+        ([10, 60], SPLIT, 2),  # 70 rows again; cut after segment 1: 16 + 64 = 3.0
+        ([70], EAGER, 0),  # one segment cannot be cut; eager ~6.1 against the 128 bucket's 10.0
+    ],
+)
+def test_the_choice_follows_the_cost_table(model, routed, lengths, choice, replays):
+    compiled, runtime = routed
+    runtime.costs = COSTS
+    inputs = pack_images(lengths, 12)
+    before = runtime.choices.copy()
+    with torch.no_grad(), counters.expect(replays=replays):
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert runtime.choices - before == {choice: 1}
+    assert f"{choice} x{runtime.choices[choice]}" in compiled.vgraph.runtimes[0].stats_table()
+
+
+@given(lengths=segments.filter(lambda lengths: sum(lengths) <= BUDGETS[-1]))
+def test_every_choice_matches_eager_and_counts_its_replays(model, routed, lengths):
+    """Whatever the table picks, the rows equal eager's (fp32, 1e-5, NaN never passes), a padded call replays one
+    bucket, a split call two and an eager call none."""
+    compiled, runtime = routed
+    runtime.costs = COSTS
+    inputs = pack_images(lengths, 12)
+    before, replays = runtime.choices.copy(), counters.replays
+    with torch.no_grad():
+        out = compiled(*inputs)
+    (choice,) = (runtime.choices - before).keys()
+    assert counters.replays - replays == {PADDED: 1, SPLIT: 2, EAGER: 0}[choice]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)

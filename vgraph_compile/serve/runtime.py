@@ -6,6 +6,12 @@ replay (or run) the bucket, narrow the outputs to the real sizes and copy them o
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
+With ``call_choice="measured"``, the warm-up also times every bucket's replay and
+the eager graph at its sizes (``compile/call_costs``), and a call that fits a bucket takes the cheapest by that
+table of: padding it to the smallest bucket, splitting it at a segment boundary over two smaller buckets (where
+``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), and running
+it eagerly. ``stats_table()`` counts each choice.
+
 Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
 CUDA the lock is released once the work is queued, not finished; the next caller's stream waits for the previous
 call's copy-out (a CUDA event) before its fill, so callers on different streams are ordered too. The returned
@@ -14,6 +20,7 @@ tensors are safe to read on the caller's stream.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -26,10 +33,12 @@ import torch
 
 from vgraph_compile.compile.build import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
+from vgraph_compile.compile.call_costs import CallCosts, measure_call_costs
 from vgraph_compile.counters import counters
 from vgraph_compile.spec import BucketShape, PassContext
 from vgraph_compile.serve.arguments import argument_rooted
 from vgraph_compile.serve.checks import CallChecks, CallPlan
+from vgraph_compile.serve.split import Splitter, can_split
 
 __all__ = ["VGraphRuntime"]
 
@@ -45,6 +54,17 @@ class _Miss:
 
 
 _CHOICE_CACHE_SIZE = 4096
+
+PADDED, SPLIT, EAGER = "padded to the smallest bucket", "split over two buckets", "run eagerly (cheaper)"
+"""The per-call choices of ``call_choice="measured"``, as ``stats_table()`` counts them."""
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A call cut at ``segment``: each half's graph inputs, plan and bucket, and the table's cost of the two."""
+
+    cost_ms: float
+    halves: tuple[tuple[list[Any], CallPlan, Bucket], ...]
 
 
 class VGraphRuntime:
@@ -84,6 +104,16 @@ class VGraphRuntime:
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
+        self.measured = self.config.call_choice == "measured"
+        """Whether calls are routed by the cost table (``call_choice``)."""
+        self.costs: CallCosts | None = None
+        """The table the per-call choice reads (measured at warm-up when ``measured``)."""
+        self.choices: collections.Counter[str] = collections.Counter()
+        """Calls per choice (``PADDED``, ``SPLIT``, ``EAGER``) while a cost table is set."""
+        self._splitter = Splitter(self.spec) if can_split(self.spec) else None
+        self._routes: dict[tuple[int, ...], tuple[str, float]] = {}
+        """Per call sizes: the cheaper of padding and eager, and its cost (a split depends on the offsets' values)."""
+        self._split_floors: dict[int, float] = {}
         self.first_outputs: list[Any] | None = None
         """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
         encoder returns, then drops them); no other call's outputs are kept."""
@@ -97,6 +127,15 @@ class VGraphRuntime:
         if self.encoder.captured:
             return False
         self.encoder.warmup()
+        if self.measured and self.buckets:
+            self.costs = measure_call_costs(
+                self.buckets,
+                lambda bucket: bucket.run(self.encoder.compiled),
+                self.encoder.eager,
+                self.spec,
+                self.encoder.roles,
+                self.device,
+            )
         return True
 
     # -- per call ----------------------------------------------------------------------------------------------
@@ -123,6 +162,63 @@ class VGraphRuntime:
                 self._chosen.clear()
             self._chosen[plan.key] = bucket
         return bucket
+
+    def _budget_for(self, rows: int) -> int | None:
+        """The smallest budget holding ``rows`` (sizes other than the rows are checked once a split is chosen)."""
+        return next((budget for budget in self.costs.budgets if budget >= rows), None)
+
+    def _split_floor(self, rows: int) -> float:
+        """The table's cheapest pair of replays whose budgets add up to ``rows``: no split of the call costs less."""
+        floor = self._split_floors.get(rows)
+        if floor is None:
+            costs = self.costs
+            pairs = [
+                costs.replay_ms[i] + costs.replay_ms[j]
+                for i, first in enumerate(costs.budgets)
+                for j, second in enumerate(costs.budgets[i:], i)
+                if first + second >= rows
+            ]
+            floor = self._split_floors[rows] = min(pairs, default=float("inf"))
+        return floor
+
+    def _best_split(self, args: Sequence[Any], plan: CallPlan, under: float) -> _Split | None:
+        """The cheapest cut at a segment boundary by the table, if it costs less than ``under`` and both halves
+        fit a bucket."""
+        offsets = args[self._splitter.offsets_input].tolist()
+        best, best_cost = None, under
+        for segment in range(1, len(offsets) - 1):
+            first, second = self._budget_for(offsets[segment]), self._budget_for(offsets[-1] - offsets[segment])
+            if offsets[segment] and offsets[-1] - offsets[segment] and first and second:
+                cost = self.costs.replay(first) + self.costs.replay(second)
+                if cost < best_cost:
+                    best, best_cost = segment, cost
+        if best is None:
+            return None
+        halves = []
+        for half in self._splitter.halves(args, offsets, best):
+            half_plan = self.checks.check(half)
+            bucket = self._choose(half_plan)
+            if bucket is None:
+                return None
+            halves.append((half, half_plan, bucket))
+        cost = sum(self.costs.replay(bucket.shape.budget) for _, _, bucket in halves)
+        return _Split(cost, tuple(halves)) if cost < under else None
+
+    def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> tuple[str, _Split | None]:
+        """The cheapest way to run a call that fits ``bucket``, by the cost table."""
+        route = self._routes.get(plan.key)
+        if route is None:
+            pad, eager = self.costs.replay(bucket.shape.budget), self.costs.eager(plan.tokens)
+            route = (PADDED, pad) if pad <= eager else (EAGER, eager)
+            if len(self._routes) >= _CHOICE_CACHE_SIZE:
+                self._routes.clear()
+            self._routes[plan.key] = route
+        choice, cost = route
+        if self._splitter is not None and self._split_floor(plan.tokens) < cost:
+            split = self._best_split(args, plan, cost)
+            if split is not None:
+                return SPLIT, split
+        return choice, None
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -186,7 +282,24 @@ class VGraphRuntime:
         bucket = self._choose(plan)
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
-        with self._lock, torch.no_grad() if grad else contextlib.nullcontext():
+        with torch.no_grad() if grad else contextlib.nullcontext():
+            if self.costs is None:
+                results = self._replay(bucket, args, plan)
+            else:
+                choice, split = self._route(bucket, args, plan)
+                self.choices[choice] += 1
+                if choice == PADDED:
+                    results = self._replay(bucket, args, plan)
+                elif choice == EAGER:
+                    results = list(self.encoder.eager(*args))
+                else:
+                    results = self._splitter.join(*(self._replay(b, half, p) for half, p, b in split.halves))
+        self._remember_first(results)
+        return results
+
+    def _replay(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
+        """Serve one call by ``bucket``: fill, replay, narrow and copy out, holding the lock."""
+        with self._lock:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
                 stream.wait_event(self._done)
@@ -198,7 +311,6 @@ class VGraphRuntime:
             bucket.stats.hits += 1
             bucket.stats.real_tokens += plan.tokens
             counters.replays += 1
-            self._remember_first(results)
         return results
 
     # -- reporting ---------------------------------------------------------------------------------------------
@@ -220,6 +332,9 @@ class VGraphRuntime:
             lines.append(f"attention kernels: {kernels}")
         if self.encoder.cudagraphs:
             lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
+        if self.costs is not None:
+            choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in (PADDED, SPLIT, EAGER))
+            lines.append(f"per-call choice by the measured costs: {choices}")
         for miss in self.misses.values():
             lines.append(f"eager fallback x{miss.count}: {miss.reason}")
         return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""The cost table the runtime's per-call choice reads: each bucket's replay time and the eager graph's time at each
+bucket's sizes, measured once at warm-up, after the capture.
+
+Each bucket is timed full, the way large calls use it: its floating token buffers hold random values (never zeros,
+which run faster than real data), and each attention group whose offsets the graph reads as they are
+(``AttentionGroup.ends_at``) is cut into segments of the bucket's ``max_seqlen`` up to its rows (the group's
+costliest valid fill); every other buffer holds what a call with no tokens holds. Times are medians of a few runs
+(CUDA events on CUDA, the host clock on the CPU). The runtime interpolates the eager times between budgets for a
+call's real rows; the replay time of a bucket does not depend on the call it serves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vgraph_compile.compile.buckets import Bucket
+from vgraph_compile.spec import Role, VarlenSpec
+from vgraph_compile.symbolic import evaluate
+
+__all__ = ["CallCosts", "fill_full", "measure_call_costs"]
+
+log = logging.getLogger(__name__)
+
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class CallCosts:
+    """Per budget (ascending): the bucket's replay and the eager graph at its sizes, in ms."""
+
+    budgets: tuple[int, ...]
+    replay_ms: tuple[float, ...]
+    eager_ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.budgets) == len(self.replay_ms) == len(self.eager_ms)) or list(self.budgets) != sorted(
+            self.budgets
+        ):
+            raise ValueError("CallCosts needs one replay and one eager time per budget, budgets ascending")
+
+    def replay(self, budget: int) -> float:
+        return self.replay_ms[self.budgets.index(budget)]
+
+    def eager(self, rows: int) -> float:
+        """The eager graph's time at ``rows`` token rows: linear between the budgets around it (the smallest
+        budget's time below it, the largest's slope above it)."""
+        budgets, times = self.budgets, self.eager_ms
+        if len(budgets) == 1 or rows <= budgets[0]:
+            return times[0]
+        upper = min(max(bisect.bisect_left(budgets, rows), 1), len(budgets) - 1)
+        lower = upper - 1
+        slope = (times[upper] - times[lower]) / (budgets[upper] - budgets[lower])
+        return times[lower] + slope * (rows - budgets[lower])
+
+    def format(self) -> str:
+        return "\n".join(
+            f"{budget:>8} replay {replay:8.3f} ms  eager {eager:8.3f} ms"
+            for budget, replay, eager in zip(self.budgets, self.replay_ms, self.eager_ms)
+        )
+
+
+def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generator: torch.Generator) -> None:
+    """Fill ``bucket`` as its costliest call (module docstring): random token rows, each group that ends at its
+    rows cut into segments of the bucket's ``max_seqlen``, the rest as for a call with no tokens."""
+    bucket.fill_empty(roles)
+    for index, buffer in bucket.buffers.items():
+        if roles[index] is Role.TOKENS and buffer.is_floating_point():
+            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+    for group, length in zip(spec.groups, bucket.shape.max_seqlen):
+        offsets = bucket.buffers.get(group.offsets_input)
+        if group.ends_at is None or offsets is None or roles[group.offsets_input] is not Role.SEGMENT_OFFSETS:
+            continue
+        rows = evaluate(group.ends_at, bucket.shape.values, "a group's rows")
+        full = (torch.arange(offsets.shape[0], dtype=torch.int64) * length).clamp(max=rows)
+        offsets.copy_(full.to(offsets.dtype))
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
+    fn()  # warm: lazy loading, allocator
+    samples = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def measure_call_costs(
+    buckets: list[Bucket],
+    run: Callable[[Bucket], object],
+    eager: Callable[..., object],
+    spec: VarlenSpec,
+    roles: dict[int, Role],
+    device: torch.device,
+) -> CallCosts:
+    """Time ``run(bucket)`` (its replay) and ``eager(*bucket.inputs)`` for every bucket, each filled full."""
+    generator = torch.Generator().manual_seed(0)
+    replay_ms, eager_ms = [], []
+    with torch.no_grad():
+        for bucket in buckets:
+            fill_full(bucket, spec, roles, generator)
+            replay_ms.append(_median_ms(lambda: run(bucket), device))
+            eager_ms.append(_median_ms(lambda: eager(*bucket.inputs), device))
+    costs = CallCosts(tuple(b.shape.budget for b in buckets), tuple(replay_ms), tuple(eager_ms))
+    log.info("call costs measured at warm-up (ms):\n%s", costs.format())
+    return costs
