@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vgraph_compile.models.qwen_towers import REAL_SIZES
+
 __all__ = ["Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "TINY_SIZES"]
 
 TINY_SIZES = dict(
@@ -158,10 +160,14 @@ def build_tower(
     attention: str = "sdpa",
     **fields,
 ) -> torch.nn.Module:
-    """The family's tower with random weights, in eval mode: the config class's defaults (the released sizes),
+    """The family's tower with random weights, in eval mode: the released sizes (the config class's defaults, or
+    ``qwen_towers.REAL_SIZES`` where a released tower's config is not its class's default, as Qwen2.5-VL's),
     ``TINY_SIZES`` over them with ``tiny``, then ``fields``."""
     spec = family(name)
-    sizes = shrunk(spec.config_class().to_dict(), TINY_SIZES) if tiny else {}
+    released = next(
+        (sizes for *_, config_name, sizes in REAL_SIZES.values() if config_name == spec.config_class.__name__), {}
+    )
+    sizes = shrunk(spec.config_class(**released).to_dict(), TINY_SIZES) if tiny else dict(released)
     torch.manual_seed(seed)
     config = spec.config_class(**{**sizes, **fields})
     tower = spec.tower_class._from_config(config, attn_implementation=attention)
