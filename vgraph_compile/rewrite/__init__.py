@@ -1,6 +1,8 @@
 """The rewrite stage (build time): pure FX rewrites of copies of the trace, in order.
 
 Order, and why:
+0. ``drop_true_masks`` (both copies): attention masks that are all True by construction are dropped first, so no
+   later pass or kernel choice sees them (SDPA then picks its unmasked kernels, as eager does).
 1. ``fold_scalars`` (both copies): ``.item()`` of scalar inputs becomes the traced value, before anything is
    compiled or captured (a captured graph cannot read the host).
 2. ``select_kernel`` (both copies): each attention site names its kernel.
@@ -16,12 +18,13 @@ from __future__ import annotations
 import torch.fx
 
 from vgraph_compile.fx_utils import Pass, apply_pass
-from vgraph_compile.rewrite import align_matmuls, fold_scalars, lower_packed, select_kernel
+from vgraph_compile.rewrite import align_matmuls, drop_true_masks, fold_scalars, lower_packed, select_kernel
 from vgraph_compile.spec import PassContext
 
 __all__ = ["REWRITES", "COMPILE_REWRITES", "rewrite"]
 
 REWRITES: tuple[tuple[str, Pass], ...] = (
+    ("drop_true_masks", drop_true_masks.run),
     ("fold_scalars", fold_scalars.run),
     ("select_kernel", select_kernel.run),
     ("lower_packed", lower_packed.run),
