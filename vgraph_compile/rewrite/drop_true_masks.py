@@ -49,12 +49,13 @@ class _Known(enum.Enum):
 _ONES_CREATION = frozenset({"ones", "new_ones", "ones_like"})
 _FULL = {"full": 1, "new_full": 2}
 """Creation by fill value: the positional index of ``fill_value``."""
-_KEEPS = frozenset({
+_VIEWS = frozenset({
     "view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "permute", "transpose",
-    "contiguous", "clone", "to", "bool", "float", "long", "int", "type_as", "getitem", "select", "narrow",
-    "index_select", "repeat", "detach",
+    "contiguous", "clone", "getitem", "select", "narrow", "index_select", "repeat", "detach",
 })  # fmt: skip
-"""Ops whose first argument's elements are all the result holds (each keeps ONES and NON_NEGATIVE)."""
+"""Ops whose result holds only elements of their first argument: they keep ONES and NON_NEGATIVE."""
+_CASTS = frozenset({"to", "bool", "float", "long", "int", "type_as"})
+"""Casts keep ONES (1 and True cast to each other); not NON_NEGATIVE (a narrow integer type can wrap)."""
 _BOTH = frozenset({"and_", "iand", "logical_and", "mul", "bitwise_and"})
 _SDPA = "scaled_dot_product_attention"
 
@@ -70,12 +71,16 @@ def _known(node: torch.fx.Node, known: dict[torch.fx.Node, _Known]) -> _Known | 
         return _Known.ONES if value is True or (type(value) in (int, float) and value == 1) else None
     if name == "arange":
         start = node.args[0] if len(node.args) > 1 else node.kwargs.get("start", 0)
-        return _Known.NON_NEGATIVE if type(start) in (int, float) and start >= 0 and len(node.args) <= 2 else None
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        numbers = type(start) in (int, float) and type(step) in (int, float)
+        return _Known.NON_NEGATIVE if numbers and start >= 0 and step > 0 else None
     first = node.args[0] if node.args else None
     if not isinstance(first, torch.fx.Node):
         return None
-    if name in _KEEPS:
+    if name in _VIEWS:
         return known.get(first)
+    if name in _CASTS:
+        return _Known.ONES if known.get(first) is _Known.ONES else None
     second = node.args[1] if len(node.args) > 1 else None
     if name == "add" and known.get(first) is _Known.NON_NEGATIVE and type(second) is int and second >= 0:
         return _Known.NON_NEGATIVE
