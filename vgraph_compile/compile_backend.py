@@ -10,7 +10,7 @@ compile for every bucket). The build runs here, not later: aot_autograd and indu
 (``TensorifyScalarRestartAnalysis``, recompiles) by raising, and only dynamo's call of the backend catches those.
 The returned ``VGraphRuntime`` captures the buckets' CUDA graphs at its first call (captures raise no such signal).
 
-cuDNN attention is off while dynamo traces (``trace_without_cudnn_attention``) and the build compiles with the
+cuDNN attention is off while dynamo traces (``decorator.trace_options``) and the build compiles with the
 setting the caller had (``VGraphBackend.cudnn_attention``): SDPA's cuDNN check of a mask asks whether its batch
 dim is 1, which under tracing becomes a guard ``N != 1`` that excludes a bucket of one tile, although it only
 chooses a kernel. The compile chooses again, on the rewritten graph (whose all-True masks are dropped).
@@ -96,9 +96,9 @@ class VGraphBackend:
         self.analyses = analyses
         """The analyses run on each trace: ``ANALYSES`` (varlen encoders) or ``TILE_ANALYSES`` (fixed tiles)."""
         self.keep_first_outputs = keep_first_outputs
+        """Runtimes keep their first call's outputs (for ``vgraph_compile.encoder`` to map its return value)."""
         self.cudnn_attention: bool | None = None
         """The caller's cuDNN attention setting, for the build, when dynamo traced with it off; None: unchanged."""
-        """Runtimes keep their first call's outputs (for ``vgraph_compile.encoder`` to map its return value)."""
         self.runtimes: list[VGraphRuntime] = []
         self._static_warned = False
 

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from vgraph_compile.models.qwen_vlms import Request, _resized
+from vgraph_compile.models.qwen_vlms import Request, resized
 
 __all__ = ["internvl", "tile_processor", "tile_inputs"]
 
@@ -67,7 +67,7 @@ def _tokens_per_tile(config) -> int:
 def tile_inputs(model, request: Request, processor, device=None) -> dict[str, torch.Tensor]:
     """The model's keyword inputs for one request of images (``Item`` kind "image"): tiles from ``processor``,
     image tokens per tile, the request's text token counts around them."""
-    images = [_resized(item.pixels, item.resize_to) for item in request.items if item.kind == "image"]
+    images = [resized(item.pixels, item.resize_to) for item in request.items if item.kind == "image"]
     out = processor(images=images, return_tensors="pt")
     tiles = out["num_patches"].tolist()
     rng = random.Random(request.seed)

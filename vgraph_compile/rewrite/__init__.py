@@ -1,14 +1,14 @@
 """The rewrite stage (build time): pure FX rewrites of copies of the trace, in order.
 
 Order, and why:
-0. ``drop_true_masks`` (both copies): attention masks that are all True by construction are dropped first, so no
+1. ``drop_true_masks`` (both copies): attention masks that are all True by construction are dropped first, so no
    later pass or kernel choice sees them (SDPA then picks its unmasked kernels, as eager does).
-1. ``fold_scalars`` (both copies): ``.item()`` of scalar inputs becomes the traced value, before anything is
+2. ``fold_scalars`` (both copies): ``.item()`` of scalar inputs becomes the traced value, before anything is
    compiled or captured (a captured graph cannot read the host).
-2. ``select_kernel`` (both copies): each attention site names its kernel.
-3. ``lower_packed`` (both copies): after the kernel is known, builds packed offsets for the sites whose kernel
+3. ``select_kernel`` (both copies): each attention site names its kernel.
+4. ``lower_packed`` (both copies): after the kernel is known, builds packed offsets for the sites whose kernel
    reads them.
-4. ``align_matmuls`` (the compiled copy only): pads misaligned matmul widths; last, since it changes parameter
+5. ``align_matmuls`` (the compiled copy only): pads misaligned matmul widths; last, since it changes parameter
    shapes that only the build binds.
 No pass specializes sizes: the compiled graph stays symbolic and every bucket runs it at its own sizes.
 """
