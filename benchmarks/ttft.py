@@ -1,14 +1,17 @@
-"""Time to first token of a whole Qwen VLM, stock transformers vs ``compile_vlm``, on seeded random requests.
+"""Time to first token of a whole VLM, stock transformers vs ``compile_vlm``, on seeded random requests.
 
-Models: Qwen2.5-VL-7B or Qwen3-VL-8B at their released sizes (random weights, bf16, sdpa for the language model;
-no download). Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a
-video clip, and 20-300 text tokens, made into model inputs by transformers' image processor
-(``vgraph_compile.models.qwen_vlms``). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
+Models: Qwen2.5-VL-7B or Qwen3-VL-8B (packed towers), or InternVL3-1B (a fixed-tile tower: InternViT-300M on
+448 px tiles), at their released sizes (random weights, bf16, sdpa for the language model; no download).
+Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a video clip (Qwen
+only), and 20-300 text tokens, made into model inputs by the family's image processor
+(``vgraph_compile.models.qwen_vlms``, ``vgraph_compile.models.tile_vlms``). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
 tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. Each system
 warms up over the requests; then every request is measured under both, their order alternating per request, and the
 last-position logits of the first requests are compared with a float32 copy of the stock model.
+``vision_time_removed``: the share of the stock tower's time (summed over the requests) that vgraph's tower saves.
 
     python benchmarks/ttft.py --model qwen2.5-vl --json benchmarks/results/ttft_qwen2.5-vl_h200.json --plot ttft.png
+    python benchmarks/ttft.py --model internvl3-1b --json benchmarks/results/ttft_internvl3-1b_h200.json
     python benchmarks/ttft.py --tiny          # a tiny random model on the CPU: checks the whole flow in seconds
 """
 
@@ -28,7 +31,12 @@ from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.result import Result
 from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.hf import compile_vlm
+from vgraph_compile.hf.vlm import find_vision_tower
 from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+from vgraph_compile.models.tile_vlms import internvl, tile_inputs, tile_processor
+
+TILE_MODELS = {"internvl3-1b": dict(real=dict(max_items=32), tiny=dict(max_items=8, compiler="eager"))}
+"""Fixed-tile VLMs: vgraph options, released sizes and tiny."""
 
 SETTINGS = {
     "real": dict(
@@ -48,9 +56,9 @@ SETTINGS = {
 }
 
 
-def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dict) -> list[Request]:
-    """Seeded requests: 1-4 photos (each resized to sides in ``sides``), a video clip in one request of four,
-    20-300 text tokens split around the items."""
+def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dict | None) -> list[Request]:
+    """Seeded requests: 1-4 photos (each resized to sides in ``sides``), a video clip in one request of four (none
+    when ``video`` is None), 20-300 text tokens split around the items."""
     rng = random.Random(seed)
     photo = photos()
     names = sorted(photo)
@@ -60,7 +68,7 @@ def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dic
             Item("image", photo[rng.choice(names)], (rng.randrange(*sides), rng.randrange(*sides)))
             for _ in range(rng.randint(1, 4))
         ]
-        if rng.random() < 0.25:
+        if rng.random() < 0.25 and video is not None:
             items.insert(rng.randrange(len(items) + 1), Item("video", video_clip(photo[rng.choice(names)], **video)))
         total = rng.randint(20, 300)
         cuts = sorted(rng.randint(0, total) for _ in range(len(items)))
@@ -70,7 +78,7 @@ def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dic
 
 
 class VisionTimer:
-    """Time spent in ``model.visual`` per request: CUDA events recorded by forward hooks (no sync in between)."""
+    """Time spent in the vision tower per request: CUDA events recorded by forward hooks (no sync in between)."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -169,16 +177,20 @@ def warm_up(model, batches: list[dict], decode_tokens: int, device: torch.device
     }
 
 
-def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], decode_tokens: int, device) -> dict:
+def measure(
+    model, place: tuple, towers: dict[str, torch.nn.Module], batches: list[dict], decode_tokens: int, device
+) -> dict:
     """Every request under every system, the systems' order alternating per request (the vision tower swapped in
-    place), so drift in clocks or allocator state falls on both alike."""
+    place: ``place`` is the module holding it and the attribute), so drift in clocks or allocator state falls on
+    both alike."""
+    owner, attribute = place
     timers = {name: VisionTimer(tower, device) for name, tower in towers.items()}
     samples = {name: {"ttft": [], "vision": [], "decode": [], "tokens": []} for name in towers}
     try:
         with torch.inference_mode():
             for index, inputs in enumerate(batches):
                 for name in sorted(towers, reverse=index % 2 == 1):
-                    model.model.visual = towers[name]
+                    setattr(owner, attribute, towers[name])
                     sample = samples[name]
                     out, ms = timed_generate(model, inputs, 1, device)
                     sample["ttft"].append(ms)
@@ -193,7 +205,7 @@ def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], deco
             timer.remove()
     report = {}
     for name, sample in samples.items():
-        model.model.visual = towers[name]
+        setattr(owner, attribute, towers[name])
         ttft, vision = sample["ttft"], sample["vision"]
         latency = Result(latencies_ms=ttft).summary()
         report[name] = {
@@ -201,6 +213,7 @@ def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], deco
             "ttft_p99_ms": latency["p99_ms"],
             "ttft_mean_ms": latency["mean_ms"],
             "vision_p50_ms": round(statistics.median(vision), 2),
+            "vision_total_ms": round(sum(vision), 2),
             "vision_share": round(sum(vision) / sum(ttft), 3),
             "decode_tokens_per_s_p50": round(statistics.median(sample["decode"]), 1),
             "ttft_ms": [round(ms, 2) for ms in ttft],
@@ -214,11 +227,19 @@ def run(args) -> dict[str, Any]:
     device = torch.device(args.device)
     setting = SETTINGS["tiny" if args.tiny else "real"]
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
-    options = setting["options"]
-    model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
-    processor = image_processor(model.config, max_patches=setting["max_patches"])
-    requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
-    batches = [model_inputs(model, [request], processor, device) for request in requests]
+    tiles = args.model in TILE_MODELS
+    if tiles:
+        options = TILE_MODELS[args.model]["tiny" if args.tiny else "real"]
+        model = internvl(tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+        processor = tile_processor(model)
+        requests = random_requests(args.seed, args.requests, setting["sides"], None)
+        batches = [tile_inputs(model, request, processor, device) for request in requests]
+    else:
+        options = setting["options"]
+        model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+        processor = image_processor(model.config, max_patches=setting["max_patches"])
+        requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
+        batches = [model_inputs(model, [request], processor, device) for request in requests]
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -230,8 +251,10 @@ def run(args) -> dict[str, Any]:
             "images": sum(1 for r in requests for i in r.items if i.kind == "image"),
             "videos": sum(1 for r in requests for i in r.items if i.kind == "video"),
             "prompt_tokens_p50": statistics.median(b["input_ids"].shape[1] for b in batches),
-            "patches_p50": statistics.median(
-                sum(int(b[g].prod(-1).sum()) for g in ("image_grid_thw", "video_grid_thw") if g in b) for b in batches
+            ("tiles_p50" if tiles else "patches_p50"): statistics.median(
+                b["pixel_values"].shape[0] if tiles
+                else sum(int(b[g].prod(-1).sum()) for g in ("image_grid_thw", "video_grid_thw") if g in b)
+                for b in batches
             ),
             "decode_tokens": setting["decode_tokens"],
         },
@@ -239,12 +262,13 @@ def run(args) -> dict[str, Any]:
         "systems": {},
     }
     reference = float32_reference(model, batches[:CHECKED]) if dtype != torch.float32 else None
-    stock = model.model.visual
+    place = find_vision_tower(model)
+    stock = getattr(*place)
     warmed = {
         "hf": warm_up(model, batches, setting["decode_tokens"], device, lambda: None),
         "vgraph": warm_up(model, batches, setting["decode_tokens"], device, lambda: compile_vlm(model, **options)),
     }
-    measured = measure(model, {"hf": stock, "vgraph": model.model.visual}, batches, setting["decode_tokens"], device)
+    measured = measure(model, place, {"hf": stock, "vgraph": getattr(*place)}, batches, setting["decode_tokens"], device)
     report["systems"] = {name: {**measured[name], **warmed[name]} for name in warmed}
     hf, vgraph = report["systems"]["hf"], report["systems"]["vgraph"]
     hf_logits, vgraph_logits = hf.pop("_logits"), vgraph.pop("_logits")
@@ -257,7 +281,8 @@ def run(args) -> dict[str, Any]:
         }
     report["first_tokens_equal"] = sum(a == b for a, b in zip(hf["first_tokens"], vgraph["first_tokens"]))
     report["ttft_p50_ratio"] = round(vgraph["ttft_p50_ms"] / hf["ttft_p50_ms"], 3)
-    report["vgraph_buckets"] = model.model.visual.stats_table()
+    report["vision_time_removed"] = round(1 - vgraph["vision_total_ms"] / hf["vision_total_ms"], 3)
+    report["vgraph_buckets"] = getattr(*place).stats_table()
     return report
 
 
@@ -285,7 +310,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-vl", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+    parser.add_argument(
+        "--model", default="qwen2.5-vl", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl", *TILE_MODELS]
+    )
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny random model, fp32 (CPU smoke run)")

@@ -75,3 +75,21 @@ def test_a_retrace_says_what_changed(caplog):
     with torch.enable_grad():
         compiled(*pack_images([7, 9], 12))
     assert "vgraph traced the encoder again: grad mode: disabled -> enabled" in caplog.text
+
+
+@pytest.mark.parametrize("caller", [True, False])
+def test_dynamo_traces_without_cudnn_attention_and_the_build_gets_the_callers_setting(caller):
+    """SDPA's cuDNN mask check guards a batch of 1: it is off while dynamo traces, and the backend builds with the
+    setting the caller had (``VGraphBackend.cudnn_attention``), which is restored after the call."""
+    from vgraph_compile.compile_backend import cudnn_attention
+    from vgraph_compile.decorator import trace_options
+
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    with cudnn_attention(caller):
+        with trace_options(()):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled() is caller
+        compiled = vgraph_compile.encoder(model, token_budgets=[32, 64], max_segments=4, compiler="eager")
+        with torch.no_grad():
+            compiled(*pack_images([9, 7], 12))
+        assert compiled.vgraph.cudnn_attention is caller and torch.backends.cuda.cudnn_sdp_enabled() is caller

@@ -9,13 +9,19 @@ the call being traced (bad input is refused before anything compiles), and the b
 compile for every bucket). The build runs here, not later: aot_autograd and inductor signal dynamo to trace again
 (``TensorifyScalarRestartAnalysis``, recompiles) by raising, and only dynamo's call of the backend catches those.
 The returned ``VGraphRuntime`` captures the buckets' CUDA graphs at its first call (captures raise no such signal).
+
+cuDNN attention is off while dynamo traces (``decorator.trace_options``) and the build compiles with the
+setting the caller had (``VGraphBackend.cudnn_attention``): SDPA's cuDNN check of a mask asks whether its batch
+dim is 1, which under tracing becomes a guard ``N != 1`` that excludes a bucket of one tile, although it only
+chooses a kernel. The compile chooses again, on the rewritten graph (whose all-True masks are dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -31,7 +37,7 @@ from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile.spec import PassContext, StaticTokensError, user_name
 from vgraph_compile.symbolic import evaluate, traced_values
 
-__all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]
+__all__ = ["vgraph_backend", "VGraphBackend", "runtimes", "cudnn_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +97,8 @@ class VGraphBackend:
         """The analyses run on each trace: ``ANALYSES`` (varlen encoders) or ``TILE_ANALYSES`` (fixed tiles)."""
         self.keep_first_outputs = keep_first_outputs
         """Runtimes keep their first call's outputs (for ``vgraph_compile.encoder`` to map its return value)."""
+        self.cudnn_attention: bool | None = None
+        """The caller's cuDNN attention setting, for the build, when dynamo traced with it off; None: unchanged."""
         self.runtimes: list[VGraphRuntime] = []
         self._static_warned = False
 
@@ -143,7 +151,8 @@ class VGraphBackend:
             return self._static_trace(gm, str(error))
         checks = CallChecks(ctx)
         checks.check(_first_call(example_inputs, ctx.shape_env))
-        encoder = build(gm, ctx)
+        with contextlib.nullcontext() if self.cudnn_attention is None else cudnn_attention(self.cudnn_attention):
+            encoder = build(gm, ctx)
         counters.traces += 1
         self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
@@ -151,6 +160,17 @@ class VGraphBackend:
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
         return runtime
+
+
+@contextlib.contextmanager
+def cudnn_attention(enabled: bool) -> Iterator[None]:
+    """SDPA's cuDNN backend on or off inside the block, restored after it."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def vgraph_backend(

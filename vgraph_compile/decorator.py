@@ -21,7 +21,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from vgraph_compile.analyze import ANALYSES, Analyses
-from vgraph_compile.compile_backend import VGraphBackend
+from vgraph_compile.compile_backend import VGraphBackend, cudnn_attention
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
@@ -48,6 +48,7 @@ def trace_options(args: tuple = ()) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     stack.enter_context(fx_config.patch(use_duck_shape=False, backed_size_oblivious=True))
     stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    stack.enter_context(cudnn_attention(False))
     return stack
 
 
@@ -104,6 +105,7 @@ class CompiledEncoderFunction:
             if result is not NotImplemented:
                 return result
         with self._trace_lock:
+            self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             try:
                 with trace_options(args):
                     result = self._compiled(*args, **kwargs)

@@ -131,6 +131,33 @@ def test_tower_is_eager_equal_and_served_by_bucket_graphs(family):
     assert compiled.split_calls == 1 and compiled.stock_calls == 0
 
 
+def test_every_tile_count_up_to_max_items_is_served_by_its_own_bucket():
+    """N = 1..max_items each replay the graph of exactly N tiles (one tile included: the trace's guards keep it),
+    eager-equal, on the tower whose attention took a mask under tracing (Idefics3's SigLIP)."""
+    tower = tiny_tower("idefics3")
+    compiled = compile_tile_tower(tower, max_items=6, exact_items=6, compiler="eager")
+    with torch.no_grad():
+        compiled(_pixels(3))  # the trace
+        with counters.expect(replays=6):  # one replay per call, N = 1..6
+            for tiles in range(1, 7):
+                pixels = _pixels(tiles, seed=tiles)
+                _assert_outputs_equal(compiled(pixels), tower(pixels))
+    (runtime,) = compiled.runtimes
+    assert {bucket.shape.budget: bucket.stats.hits for bucket in runtime.buckets} == {1: 1, 2: 1, 3: 2, 4: 1, 5: 1, 6: 1}
+
+
+def test_an_all_true_patch_mask_is_served_by_the_mask_free_trace():
+    """SmolVLM passes a patch mask for every tile; one that masks nothing runs the trace of the call without it."""
+    tower = tiny_tower("smolvlm")
+    compiled = compile_tile_tower(tower, max_items=4, compiler="eager")
+    pixels, mask = _pixels(3), torch.ones(3, 4, 4, dtype=torch.bool)
+    with torch.no_grad():
+        _assert_outputs_equal(compiled(pixels, patch_attention_mask=mask), tower(pixels, patch_attention_mask=mask))
+        with counters.expect(replays=1):
+            compiled(pixels)
+    assert list(compiled.compiled) == [(False, None)]
+
+
 def test_selected_hidden_state_is_served():
     """LLaVA's vision_feature_layer reaches the tower as output_hidden_states=[-2]."""
     tower = tiny_tower("llava")

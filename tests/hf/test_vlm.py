@@ -16,7 +16,7 @@ from vgraph_compile.models import family_vlms
 from vgraph_compile.models.qwen_vlms import (
     Item,
     Request,
-    _resized,
+    resized,
     image_processor,
     model_inputs,
     photos,
@@ -54,7 +54,7 @@ def _family_cases(family):
     model = family_vlms.build_vlm(family)
     processor = family_vlms.image_processor(family, model)
     photo = photos()
-    images = [_resized(photo["coffee"], (120, 180)), _resized(photo["chelsea"], (150, 100))]
+    images = [resized(photo["coffee"], (120, 180)), resized(photo["chelsea"], (150, 100))]
     return model, {"two images": family_vlms.image_inputs(model, processor, images)}
 
 

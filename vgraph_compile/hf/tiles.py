@@ -13,9 +13,13 @@ Design, and why:
   ``max_items`` is split into calls of at most ``max_items`` tiles, and the outputs are concatenated in order.
 - **Padding:** padded tiles are zero images (and an all-False patch mask); rows are proven independent, so they
   never reach a real tile, and they are dropped. A NaN/Inf tile leaves every other tile bit-identical.
+- **Masks:** a call whose ``patch_attention_mask`` is all True is served as the call without one; in that trace
+  the tower's own all-True mask is dropped from its attention (``rewrite/drop_true_masks``), so SDPA runs its
+  unmasked kernel, as the stock tower does in eager.
 - **The trace** never sees one tile: dynamo specializes a size of 1, so a first call of one tile is traced as two
   copies of it. A bucket whose size breaks a guard of the trace or of inductor (``F.multi_head_attention_forward``
-  and inductor's CPU convolution guard N != 1) is dropped, and its calls pad to the next bucket.
+  and inductor's CPU convolution guard N != 1) is dropped, and its calls pad to the next bucket. SDPA's cuDNN
+  mask check, which would guard N != 1 too, is kept out of the trace (``compile_backend``).
 - **Not measured against the packed path:** equal-length varlen segments would need each family's attention and
   masks rewritten into varlen calls; the batch-dim mode keeps the tower's own attention (sdpa with a batch dim),
   so no family-specific code exists anywhere.
@@ -234,6 +238,8 @@ class CompiledTileTower(TowerStandIn):
                 extra["return_dict"] = return_dict
             return self.tower(pixel_values, **extra, **kwargs)
         self._check(pixel_values, patch_attention_mask)
+        if patch_attention_mask is not None and self._masks_nothing(patch_attention_mask):
+            patch_attention_mask = None
         if output_hidden_states is None:
             output_hidden_states = getattr(self.tower.config, "output_hidden_states", None)
         key = (patch_attention_mask is not None, _hidden_key(output_hidden_states))
@@ -250,6 +256,16 @@ class CompiledTileTower(TowerStandIn):
         flat = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*chunks)]
         output = fields.build(flat)
         return output if return_dict is not False else output.to_tuple()
+
+    def _masks_nothing(self, mask: torch.Tensor) -> bool:
+        """Whether a patch mask is all True at the tower's full patch grid: the call is then the call without it
+        (the tower builds that mask itself), served by the mask-free trace, whose attention runs unmasked
+        (``rewrite/drop_true_masks``). Reads the mask on the host, as the stock tower's mask skip does."""
+        height, width = _image_size(self.tower.config)
+        patch = getattr(self.tower.config, "patch_size", None)
+        if not isinstance(patch, int) or tuple(mask.shape[1:]) != (height // patch, width // patch):
+            return False
+        return bool(mask.all())
 
     def _check(self, pixel_values: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Bad input, said in the tower's argument names, before anything traces or runs."""

@@ -23,7 +23,7 @@ import torch
 
 from vgraph_compile.models.qwen_towers import MERGER_WIDTH, REAL_SIZES, TOY_SIZES
 
-__all__ = ["VLM_FAMILIES", "Item", "Request", "qwen_vlm", "image_processor", "photos", "video_clip", "model_inputs"]
+__all__ = ["VLM_FAMILIES", "Item", "Request", "qwen_vlm", "image_processor", "photos", "video_clip", "model_inputs", "resized"]
 
 TINY_IDS = dict(pad=500, vision_start_token_id=501, vision_end_token_id=502, image_token_id=503, video_token_id=504)
 """Special token ids of the tiny models (vocabulary 512); the real sizes keep Qwen's (151643, 151652-151656)."""
@@ -175,7 +175,8 @@ class Request:
     seed: int = 0
 
 
-def _resized(pixels: np.ndarray, shape: tuple[int, int] | None) -> np.ndarray:
+def resized(pixels: np.ndarray, shape: tuple[int, int] | None) -> np.ndarray:
+    """``pixels`` resized to (height, width) with bicubic filtering; None keeps them."""
     if shape is None:
         return pixels
     from PIL import Image
@@ -225,7 +226,7 @@ def model_inputs(model, requests: list[Request], processor=None, device=None) ->
 
         text(request.text_tokens[0])
         for item, after in zip(request.items, request.text_tokens[1:]):
-            frames = [_resized(f, item.resize_to) for f in (item.pixels if item.kind == "video" else [item.pixels])]
+            frames = [resized(f, item.resize_to) for f in (item.pixels if item.kind == "video" else [item.pixels])]
             rows, (t, h, w) = _pixels(processor, frames)
             pixels[item.kind].append(rows)
             grids[item.kind].append((t, h, w))
