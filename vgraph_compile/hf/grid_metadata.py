@@ -4,8 +4,9 @@ Which keywords a tower pops, and how each is computed from the grid, is the towe
 (``PackedTower.metadata``, from ``metadata_plan``); this module only computes and keeps them. The routed attention
 is on while computing, so ``get_max_seqlen`` computes ``max_seqlen`` as it does in the trace.
 
-Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid, moved to the
-device it was asked for, as plain tensors (outside inference mode: they keep a version counter, so the runtime
+Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid (and, for a tower
+that reads its grid outside its metadata functions, the grid itself as a table of ``grid_rows`` rows under the
+grid argument's name: ``PackedTower.grid_table``), moved to the device it was asked for, as plain tensors (outside inference mode: they keep a version counter, so the runtime
 skips re-copying them); at most ``size`` entries are kept (the least recently used one goes first).
 """
 
@@ -32,8 +33,12 @@ def grid_of(grid_thw: torch.Tensor) -> Grid:
 class GridMetadata:
     """``(grid, device) -> the tower's grid metadata keywords on that device``, cached."""
 
-    def __init__(self, tower: torch.nn.Module, interface: PackedTower, size: int = 1024) -> None:
-        self.tower, self.interface, self.size = tower, interface, size
+    def __init__(
+        self, tower: torch.nn.Module, interface: PackedTower, size: int = 1024, grid_rows: int | None = None
+    ) -> None:
+        """``grid_rows``: the row count of a ``grid_traced`` tower's grid table (more than any call's segments);
+        None: each grid's own row count (one traced shape per grid, as an exact-shape compile has)."""
+        self.tower, self.interface, self.size, self.grid_rows = tower, interface, size, grid_rows
         self._entries: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
 
     def __call__(self, grid: Grid, device: torch.device | str) -> dict:
@@ -42,10 +47,16 @@ class GridMetadata:
             self._entries.move_to_end(key)
             return self._entries[key]
         with torch.inference_mode(False), routed_attention(self.tower):
-            host = self.interface.metadata.compute(torch.tensor(grid, dtype=torch.int64))
+            grid_thw = torch.tensor(grid, dtype=torch.int64)
+            host = self.interface.metadata.compute(grid_thw)
+            if self.interface.grid_traced:
+                rows = len(grid) if self.grid_rows is None else self.grid_rows
+                host[self.interface.grid_argument] = self.interface.grid_table(grid_thw, rows)
             metadata = {
                 name: value.to(key[1]) if isinstance(value, torch.Tensor) else value for name, value in host.items()
             }
+            if self.interface.grid_traced:  # one row count for every call: not a packed size
+                torch._dynamo.mark_static(metadata[self.interface.grid_argument], 0)
         self._entries[key] = metadata
         if len(self._entries) > self.size:
             self._entries.popitem(last=False)
