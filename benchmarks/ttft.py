@@ -1,14 +1,17 @@
-"""Time to first token of a whole Qwen VLM, stock transformers vs ``compile_vlm``, on seeded random requests.
+"""Time to first token of a whole VLM, stock transformers vs ``compile_vlm``, on seeded random requests.
 
-Models: Qwen2.5-VL-7B or Qwen3-VL-8B at their released sizes (random weights, bf16, sdpa for the language model;
-no download). Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a
-video clip, and 20-300 text tokens, made into model inputs by transformers' image processor
-(``vgraph_compile.models.qwen_vlms``). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
+Models: Qwen2.5-VL-7B or Qwen3-VL-8B, or the VLM of any served ``vision_utils`` family (``--model paddleocr_vl``,
+built from its own config class: ``vgraph_compile.models.family_vlms``), at their released sizes (random weights,
+bf16, sdpa for the language model; no download). Requests: 1-4 real photographs (scikit-image's samples) resized
+to varied resolutions, some with a video clip (Qwen models only), and 20-300 text tokens, made into model inputs by
+transformers' Qwen2-VL image processor (``vgraph_compile.models.qwen_vlms``) or the family's own (images, one
+prompt per request). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
 tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. Each system
 warms up over the requests; then every request is measured under both, their order alternating per request, and the
 last-position logits of the first requests are compared with a float32 copy of the stock model.
 
     python benchmarks/ttft.py --model qwen2.5-vl --json benchmarks/results/ttft_qwen2.5-vl_h200.json --plot ttft.png
+    python benchmarks/ttft.py --model paddleocr_vl --json benchmarks/results/ttft_paddleocr_vl_h200.json
     python benchmarks/ttft.py --tiny          # a tiny random model on the CPU: checks the whole flow in seconds
 """
 
@@ -28,7 +31,23 @@ from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.result import Result
 from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.hf import compile_vlm
-from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+from vgraph_compile.hf.vlm import find_vision_tower
+from vgraph_compile.models import family_vlms
+from vgraph_compile.models.qwen_vlms import (
+    Item,
+    Request,
+    _resized,
+    image_processor,
+    model_inputs,
+    photos,
+    qwen_vlm,
+    video_clip,
+)
+
+QWEN = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+TEXT_FIELDS = {"glm4v": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}}
+"""Text config fields the released checkpoints set and the config class leaves out (GLM-4.1V rotates half of each
+head)."""
 
 SETTINGS = {
     "real": dict(
@@ -48,9 +67,9 @@ SETTINGS = {
 }
 
 
-def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dict) -> list[Request]:
-    """Seeded requests: 1-4 photos (each resized to sides in ``sides``), a video clip in one request of four,
-    20-300 text tokens split around the items."""
+def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dict | None) -> list[Request]:
+    """Seeded requests: 1-4 photos (each resized to sides in ``sides``), a video clip in one request of four (none
+    when ``video`` is None), 20-300 text tokens split around the items."""
     rng = random.Random(seed)
     photo = photos()
     names = sorted(photo)
@@ -60,7 +79,7 @@ def random_requests(seed: int, requests: int, sides: tuple[int, int], video: dic
             Item("image", photo[rng.choice(names)], (rng.randrange(*sides), rng.randrange(*sides)))
             for _ in range(rng.randint(1, 4))
         ]
-        if rng.random() < 0.25:
+        if rng.random() < 0.25 and video is not None:
             items.insert(rng.randrange(len(items) + 1), Item("video", video_clip(photo[rng.choice(names)], **video)))
         total = rng.randint(20, 300)
         cuts = sorted(rng.randint(0, total) for _ in range(len(items)))
@@ -172,13 +191,14 @@ def warm_up(model, batches: list[dict], decode_tokens: int, device: torch.device
 def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], decode_tokens: int, device) -> dict:
     """Every request under every system, the systems' order alternating per request (the vision tower swapped in
     place), so drift in clocks or allocator state falls on both alike."""
+    owner, attribute = find_vision_tower(model)
     timers = {name: VisionTimer(tower, device) for name, tower in towers.items()}
     samples = {name: {"ttft": [], "vision": [], "decode": [], "tokens": []} for name in towers}
     try:
         with torch.inference_mode():
             for index, inputs in enumerate(batches):
                 for name in sorted(towers, reverse=index % 2 == 1):
-                    model.model.visual = towers[name]
+                    setattr(owner, attribute, towers[name])
                     sample = samples[name]
                     out, ms = timed_generate(model, inputs, 1, device)
                     sample["ttft"].append(ms)
@@ -193,7 +213,7 @@ def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], deco
             timer.remove()
     report = {}
     for name, sample in samples.items():
-        model.model.visual = towers[name]
+        setattr(owner, attribute, towers[name])
         ttft, vision = sample["ttft"], sample["vision"]
         latency = Result(latencies_ms=ttft).summary()
         report[name] = {
@@ -215,10 +235,7 @@ def run(args) -> dict[str, Any]:
     setting = SETTINGS["tiny" if args.tiny else "real"]
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     options = setting["options"]
-    model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
-    processor = image_processor(model.config, max_patches=setting["max_patches"])
-    requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
-    batches = [model_inputs(model, [request], processor, device) for request in requests]
+    model, requests, batches = build(args, setting, device, dtype)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -239,12 +256,14 @@ def run(args) -> dict[str, Any]:
         "systems": {},
     }
     reference = float32_reference(model, batches[:CHECKED]) if dtype != torch.float32 else None
-    stock = model.model.visual
+    owner, attribute = find_vision_tower(model)
+    stock = getattr(owner, attribute)
     warmed = {
         "hf": warm_up(model, batches, setting["decode_tokens"], device, lambda: None),
         "vgraph": warm_up(model, batches, setting["decode_tokens"], device, lambda: compile_vlm(model, **options)),
     }
-    measured = measure(model, {"hf": stock, "vgraph": model.model.visual}, batches, setting["decode_tokens"], device)
+    towers = {"hf": stock, "vgraph": getattr(owner, attribute)}
+    measured = measure(model, towers, batches, setting["decode_tokens"], device)
     report["systems"] = {name: {**measured[name], **warmed[name]} for name in warmed}
     hf, vgraph = report["systems"]["hf"], report["systems"]["vgraph"]
     hf_logits, vgraph_logits = hf.pop("_logits"), vgraph.pop("_logits")
@@ -257,8 +276,32 @@ def run(args) -> dict[str, Any]:
         }
     report["first_tokens_equal"] = sum(a == b for a, b in zip(hf["first_tokens"], vgraph["first_tokens"]))
     report["ttft_p50_ratio"] = round(vgraph["ttft_p50_ms"] / hf["ttft_p50_ms"], 3)
-    report["vgraph_buckets"] = model.model.visual.stats_table()
+    report["vgraph_buckets"] = towers["vgraph"].stats_table()
     return report
+
+
+def build(args, setting: dict, device: torch.device, dtype: torch.dtype) -> tuple[Any, list[Request], list[dict]]:
+    """(the model, its requests, each request's model inputs): a Qwen model with the Qwen2-VL processor, or a
+    family's VLM with the family's own processor (images only, one prompt per request)."""
+    if args.model in QWEN:
+        model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+        processor = image_processor(model.config, max_patches=setting["max_patches"])
+        requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
+        return model, requests, [model_inputs(model, [request], processor, device) for request in requests]
+    model = family_vlms.build_vlm(
+        args.model, tiny=args.tiny, device=str(device), dtype=dtype, seed=args.seed,
+        text_fields=TEXT_FIELDS.get(args.model),
+    )
+    processor = family_vlms.image_processor(args.model, model)
+    requests = random_requests(args.seed, args.requests, setting["sides"], None)
+    batches = [
+        family_vlms.image_inputs(
+            model, processor, [_resized(item.pixels, item.resize_to) for item in request.items],
+            text_tokens=max(1, sum(request.text_tokens) // (len(request.items) + 1)), seed=request.seed,
+        )
+        for request in requests
+    ]
+    return model, requests, batches
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -285,7 +328,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-vl", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+    parser.add_argument(
+        "--model", default="qwen2.5-vl", help=f"{', '.join(QWEN)}, or a served vision_utils family (paddleocr_vl)"
+    )
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny random model, fp32 (CPU smoke run)")

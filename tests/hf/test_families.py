@@ -62,7 +62,7 @@ def _refused(name, tower):
             call = (torch.randn(3, tower.config.num_channels, size, size),)
         else:
             served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
-            call = (torch.randn(int(grid_thw.prod()), *served.interface.pixel_shape), grid_thw)
+            call = (torch.randn(served.interface.pixel_values_shape(int(grid_thw.prod()))), grid_thw)
         with torch.no_grad():
             served(*call)
     assert counters.snapshot()["replays"] == before
@@ -81,19 +81,17 @@ def test_served_equal_to_eager_or_refused(name):
     assert served.interface.batched == (name in BATCHED)
     m = served.geometry.spatial_merge_size
     t = 1 if name in IMAGES_ONLY else 2
-    leading = (1,) if name in BATCHED else ()
-    shape = served.interface.pixel_shape
     if name in IMAGES_ONLY:
         refusal = r"grid_thw\[1\] = \(3, .* has 3 frames, but .* images only"
         with torch.no_grad(), pytest.raises(ValueError, match=refusal):
-            served(torch.randn(*leading, 4 * m * m, *shape), torch.tensor([(1, m, m), (3, m, m)]))
+            served(torch.randn(served.interface.pixel_values_shape(4 * m * m)), torch.tensor([(1, m, m), (3, m, m)]))
     cases = {
         "one graph call": [(1, 4 * m, 6 * m), (t, 2 * m, 2 * m), (1, m, m)],
         "split": [(1, 4 * m, 4 * m), (1, 2 * m, 2 * m), (t, m, 2 * m), (1, m, m), (1, 2 * m, m)],
     }
     for case, grid in cases.items():
         grid_thw = torch.tensor(grid)
-        pixel_values = torch.randn(*leading, int(grid_thw.prod(-1).sum()), *shape)
+        pixel_values = torch.randn(served.interface.pixel_values_shape(int(grid_thw.prod(-1).sum())))
         before = counters.snapshot()["replays"], served.split_calls
         with torch.no_grad():
             out = served(pixel_values, grid_thw)

@@ -97,6 +97,10 @@ class PackedTower:
     def windowed(self) -> bool:
         return _WINDOW_KEY in self.metadata.keys
 
+    def pixel_values_shape(self, patches: int) -> tuple[int, ...]:
+        """The shape of the tower's pixel_values for ``patches`` patch rows (its leading dim of 1 included)."""
+        return ((1,) if self.batched else ()) + (patches, *self.pixel_shape)
+
     def grid_table(self, grid_thw: torch.Tensor, rows: int) -> torch.Tensor:
         """The grid as a ``grid_traced`` tower's traced call takes it (``grid_table``)."""
         return grid_table(grid_thw, rows, self.geometry.spatial_merge_size)

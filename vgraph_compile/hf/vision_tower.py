@@ -13,7 +13,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import types
 from typing import Any
 
@@ -217,20 +216,20 @@ class CompiledVisionTower(TowerStandIn):
     def warmup(self) -> None:
         """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
 
-        The image is one window tall and two wide (a 1 x 2 block of windows, or of merge units without windows),
-        scaled up as far as the smallest budget holds it: both attention groups (frames and windows) have
-        segments in the trace, and a size guard the trace keeps (a convolution's backend choice for a batch under
-        16 rows) is one that holds at the sizes of the buckets, not at a toy size below them. Which group is the
-        window group comes from ``VGraphConfig.window_offsets`` (the tower's ``cu_window_seqlens``), not from the
-        image. Later calls skip dynamo, in any grad mode.
+        The image is one window tall (one merge unit without windows) and as many wide as the smallest budget
+        holds, at least two: both attention groups (frames and windows) have segments in the trace, and a size
+        guard the trace keeps (a convolution's backend choice for a batch under 16 rows) is one that holds at the
+        sizes of the buckets, not at a toy size below them. Which group is the window group comes from
+        ``VGraphConfig.window_offsets`` (the tower's ``cu_window_seqlens``), not from the image. Later calls skip
+        dynamo, in any grad mode.
         """
         if self.runtimes:
             return
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
-        side *= max(1, math.isqrt(self.vgraph_config.budgets[0] // (2 * side * side)))
-        grid = ((1, side, 2 * side),)
+        wide = max(2, self.vgraph_config.budgets[0] // (side * side))
+        grid = ((1, side, wide * side),)
         parameter = self.parameter
-        shape = (2 * side * side, *self.interface.pixel_shape)
+        shape = (wide * side * side, *self.interface.pixel_shape)
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
             self._run(pixel_values, grid)

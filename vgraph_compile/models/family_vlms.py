@@ -77,13 +77,24 @@ def _tiny_config(config_class: type) -> dict:
     return fields
 
 
-def build_vlm(name: str, tiny: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+def build_vlm(
+    name: str,
+    tiny: bool = True,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    text_fields: dict | None = None,
+):
     """The family's VLM with random weights, in eval mode, sdpa attention: tiny (see the module docstring), or the
-    config class's defaults (the released sizes)."""
+    config class's defaults (the released sizes); ``text_fields`` over the text config's (what a released
+    checkpoint sets and the config class leaves out)."""
     model_class = vlm_class(name)
     config_class = declared_config(model_class)
     torch.manual_seed(seed)
-    config = config_class(**(_tiny_config(config_class) if tiny else {}))
+    fields = _tiny_config(config_class) if tiny else {}
+    if text_fields:
+        fields["text_config"] = {**fields.get("text_config", config_class().to_dict()["text_config"]), **text_fields}
+    config = config_class(**fields)
     with torch.device(device):
         model = model_class._from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.eval()
