@@ -21,11 +21,12 @@ video's reason: the tower is served on images only, and a grid with t > 1 is ref
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -344,6 +345,22 @@ def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_outpu
     return _Verified(type(expected), tuple(outputs), relations, grid_traced)
 
 
+@contextlib.contextmanager
+def _on_host(tower: torch.nn.Module) -> Iterator[None]:
+    """The tower's tensors on the CPU while it is probed, then back: a probe grid the stock tower cannot take (an
+    index past its grid's rows, as a tower indexing its grid per frame makes on a video) raises an error there, where on a GPU it is a
+    device-side assert that ends the process's CUDA context. The plan is computed on the host anyway."""
+    device = next(tower.parameters()).device
+    if device.type == "cpu":
+        yield
+        return
+    tower.to("cpu")
+    try:
+        yield
+    finally:
+        tower.to(device)
+
+
 def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     """The tower's interface (see the module docstring); ``TowerRefused`` (a ``ValueError``) naming the reason when
     it cannot be served.
@@ -366,7 +383,7 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     video = [(2, 2 * merge, 4 * merge), (1, merge, merge)]
     images = [(1, 2 * merge, 4 * merge), (1, merge, merge)]
     video_failure = None
-    with torch.no_grad(), routed_attention(tower):
+    with torch.no_grad(), routed_attention(tower), _on_host(tower):
         layout, plan, first_output = _record(tower, first)
         try:
             verified = _verify(tower, layout, plan, first, first_output, video)
