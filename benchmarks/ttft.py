@@ -45,9 +45,6 @@ from vgraph_compile.models.qwen_vlms import (
 )
 
 QWEN = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
-TEXT_FIELDS = {"glm4v": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}}
-"""Text config fields the released checkpoints set and the config class leaves out (GLM-4.1V rotates half of each
-head)."""
 
 SETTINGS = {
     "real": dict(
@@ -288,10 +285,7 @@ def build(args, setting: dict, device: torch.device, dtype: torch.dtype) -> tupl
         processor = image_processor(model.config, max_patches=setting["max_patches"])
         requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
         return model, requests, [model_inputs(model, [request], processor, device) for request in requests]
-    model = family_vlms.build_vlm(
-        args.model, tiny=args.tiny, device=str(device), dtype=dtype, seed=args.seed,
-        text_fields=TEXT_FIELDS.get(args.model),
-    )
+    model = family_vlms.build_vlm(args.model, tiny=args.tiny, device=str(device), dtype=dtype, seed=args.seed)
     processor = family_vlms.image_processor(args.model, model)
     requests = random_requests(args.seed, args.requests, setting["sides"], None)
     batches = [

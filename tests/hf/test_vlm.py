@@ -2,9 +2,9 @@
 inputs made from real photographs (scikit-image's samples). Qwen2-VL, Qwen2.5-VL and Qwen3-VL: by transformers'
 Qwen2-VL image processor, with a video clip panning over one photograph; images, a video, both in one prompt, two
 prompts in one batch. Six families vgraph has no code for (cohere_compass, ernie4_5_vl_moe, exaone4_5,
-dots3_note, glm4v, paddleocr_vl): built from their own config classes, pixels from each family's own image processor (its PIL
-backend, no torchvision), two photographs in one prompt. The stock numbers are taken from the same model before
-compile_vlm replaces its tower."""
+dots3_note, glm4v, paddleocr_vl): built from their own config classes, pixels from each family's own image
+processor (its PIL backend, no torchvision), two photographs in one prompt. The stock numbers are taken from the
+same model before compile_vlm replaces its tower."""
 
 import pytest
 import torch
@@ -28,9 +28,6 @@ pytest.importorskip("skimage", reason="the sample photographs come with scikit-i
 
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 OTHER_FAMILIES = ["cohere_compass", "ernie4_5_vl_moe", "exaone4_5", "dots3_note", "glm4v", "paddleocr_vl"]
-TEXT_FIELDS = {"glm4v": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}}
-"""Text config fields the released checkpoints set and the config class leaves out: GLM-4.1V rotates half of each
-head (its model's default rotary sections, [8, 12, 12], span 64 of its 128 dims)."""
 
 
 def _requests():
@@ -54,7 +51,7 @@ def _qwen_cases(family):
 
 def _family_cases(family):
     """Two photographs resized small (the processor rounds their sides to merge units), in one prompt."""
-    model = family_vlms.build_vlm(family, text_fields=TEXT_FIELDS.get(family))
+    model = family_vlms.build_vlm(family)
     processor = family_vlms.image_processor(family, model)
     photo = photos()
     images = [_resized(photo["coffee"], (120, 180)), _resized(photo["chelsea"], (150, 100))]

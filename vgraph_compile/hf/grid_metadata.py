@@ -6,8 +6,9 @@ is on while computing, so ``get_max_seqlen`` computes ``max_seqlen`` as it does 
 
 Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid (and, for a tower
 that reads its grid outside its metadata functions, the grid itself as a table of ``grid_rows`` rows under the
-grid argument's name: ``PackedTower.grid_table``), moved to the device it was asked for, as plain tensors (outside inference mode: they keep a version counter, so the runtime
-skips re-copying them); at most ``size`` entries are kept (the least recently used one goes first).
+grid argument's name: ``PackedTower.grid_table``), moved to the device it was asked for, as plain tensors (outside
+inference mode: they keep a version counter, so the runtime skips re-copying them); at most ``size`` entries are
+kept (the least recently used one goes first).
 """
 
 from __future__ import annotations

@@ -348,8 +348,9 @@ def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_outpu
 @contextlib.contextmanager
 def _on_host(tower: torch.nn.Module) -> Iterator[None]:
     """The tower's tensors on the CPU while it is probed, then back: a probe grid the stock tower cannot take (an
-    index past its grid's rows, as a tower indexing its grid per frame makes on a video) raises an error there, where on a GPU it is a
-    device-side assert that ends the process's CUDA context. The plan is computed on the host anyway."""
+    index past its grid's rows, as a tower indexing its grid per frame makes on a video) raises an error there,
+    where on a GPU it is a device-side assert that ends the process's CUDA context. The plan is computed on the
+    host anyway."""
     device = next(tower.parameters()).device
     if device.type == "cpu":
         yield

@@ -74,7 +74,8 @@ class TowerCall(torch.nn.Module):
         for (key, part), per_row in self.relations.items():
             value = metadata_leaves(metadata[key])[part]
             torch._check((value.shape[0] if isinstance(value, torch.Tensor) else value) * per_row == patches)
-        out = self.tower(pixel_values[None] if self.batched else pixel_values, **{self.grid_argument: None, **metadata})
+        rows = pixel_values[None] if self.batched else pixel_values
+        out = self.tower(rows, **{self.grid_argument: None, **metadata})
         flat = []
         for field in self.outputs:
             value = out[field.name]
@@ -166,7 +167,9 @@ class CompiledVisionTower(TowerStandIn):
         return "\n".join(tables)
 
     # -- checks ------------------------------------------------------------------------------------------------
-    def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    def _check(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """(the pixel rows packed along dim 0, the grid), or a ValueError in the tower's argument names."""
         pixels, grid_name = self.pixel_argument, self.interface.grid_argument
         if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
@@ -193,7 +196,8 @@ class CompiledVisionTower(TowerStandIn):
             )
         shape = self.interface.pixel_shape
         leading = (1,) if self.interface.batched else ()
-        if tuple(pixel_values.shape[: len(leading)]) != leading or tuple(pixel_values.shape[len(leading) + 1 :]) != shape:
+        dims = tuple(pixel_values.shape)
+        if dims[: len(leading)] != leading or dims[len(leading) + 1 :] != shape:
             raise ValueError(
                 f"{pixels} must be [{'1, ' * len(leading)}patches, {', '.join(map(str, shape))}] (the processor's "
                 f"patch rows), got {tuple(pixel_values.shape)}"
@@ -340,7 +344,8 @@ class CompiledVisionTower(TowerStandIn):
         """The tower's own output object from the flat fields (a batched field gets its leading dim of 1 back)."""
         fields, position = {}, 0
         for field in self.interface.outputs:
-            values = [value[None] if field.batched else value for value in flat[position : position + (field.count or 1)]]
+            values = flat[position : position + (field.count or 1)]
+            values = [value[None] if field.batched else value for value in values]
             fields[field.name] = values[0] if field.count is None else values
             position += field.count or 1
         return self.interface.output_class(**fields)

@@ -24,7 +24,7 @@ import torch
 
 from vgraph_compile.models.hf_families import TINY_SIZES, declared_config, family, shrunk
 
-__all__ = ["TINY_TEXT", "build_vlm", "image_processor", "image_inputs"]
+__all__ = ["RELEASED_TEXT_FIELDS", "TINY_TEXT", "build_vlm", "image_processor", "image_inputs"]
 
 TINY_TEXT = dict(
     hidden_size=128,
@@ -39,6 +39,13 @@ TINY_TEXT = dict(
 )
 """Text config fields shrunk (where the config has them, with the same type): one layer, width 128 in one head of
 128 (every family's multimodal rotary sections fit it), 4 experts with 2 routed per token."""
+
+
+RELEASED_TEXT_FIELDS = {
+    "glm4v": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+}
+"""Text config fields a family's released checkpoints set and its config class leaves out, by model type:
+GLM-4.1V rotates half of each head (its model's default rotary sections, [8, 12, 12], span 64 of 128 dims)."""
 
 
 def vlm_class(name: str) -> type:
@@ -86,12 +93,13 @@ def build_vlm(
     text_fields: dict | None = None,
 ):
     """The family's VLM with random weights, in eval mode, sdpa attention: tiny (see the module docstring), or the
-    config class's defaults (the released sizes); ``text_fields`` over the text config's (what a released
-    checkpoint sets and the config class leaves out)."""
+    config class's defaults (the released sizes); ``text_fields`` over the text config's (default: the family's
+    ``RELEASED_TEXT_FIELDS``)."""
     model_class = vlm_class(name)
     config_class = declared_config(model_class)
     torch.manual_seed(seed)
     fields = _tiny_config(config_class) if tiny else {}
+    text_fields = RELEASED_TEXT_FIELDS.get(name) if text_fields is None else text_fields
     if text_fields:
         fields["text_config"] = {**fields.get("text_config", config_class().to_dict()["text_config"]), **text_fields}
     config = config_class(**fields)
