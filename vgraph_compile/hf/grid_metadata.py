@@ -56,8 +56,6 @@ class GridMetadata:
             metadata = {
                 name: value.to(key[1]) if isinstance(value, torch.Tensor) else value for name, value in host.items()
             }
-            if self.interface.grid_traced:  # one row count for every call: not a packed size
-                torch._dynamo.mark_static(metadata[self.interface.grid_argument], 0)
         self._entries[key] = metadata
         if len(self._entries) > self.size:
             self._entries.popitem(last=False)

@@ -37,6 +37,9 @@ __all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packe
 
 log = logging.getLogger(__name__)
 
+_MAX_ROWS = 2**31 - 1
+"""The upper end of a metadata length's stated range (``_mark_sizes``): int32 offsets hold no more."""
+
 def _row_starts(grid) -> list[int]:
     """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
     starts = [0]
@@ -239,7 +242,25 @@ class CompiledVisionTower(TowerStandIn):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
-        return self.compiled(pixel_values, **self.grid_metadata(grid, pixel_values.device))
+        metadata = self.grid_metadata(grid, pixel_values.device)
+        if not self.compiled.traced:
+            self._mark_sizes(metadata)
+        return self.compiled(pixel_values, **metadata)
+
+    def _mark_sizes(self, metadata: dict[str, Any]) -> None:
+        """Before the trace: a grid table's rows are one size for every call (static), and every other metadata
+        tensor whose length is not tied to the patch count (offsets: one entry per segment, plus one) has at least
+        one row. Without that bound, torch 2.11's inductor cannot size a slice of it under size-oblivious tracing
+        (``cu_seqlens[1:]`` in a tower's own code) and fails to lower it."""
+        for key, value in metadata.items():
+            if key == self.interface.grid_argument:
+                torch._dynamo.mark_static(value, 0)
+                continue
+            for part, leaf in enumerate(metadata_leaves(value)):
+                if not isinstance(leaf, torch.Tensor) or not leaf.dim():
+                    continue
+                if (key, part) not in self.interface.metadata_patches_per_row:
+                    torch._dynamo.mark_dynamic(leaf, 0, min=1, max=_MAX_ROWS)
 
     def forward(self, *args: Any, **kwargs: Any):
         """The tower's own arguments, by position or by its names (the processor's pixel rows as
