@@ -3,7 +3,7 @@
 Builds the family's tower at its released size from its own config class (``models.hf_families.build_tower``),
 then, one tower per run:
 - bf16 outputs of ``compile_vision_tower`` and of the stock tower, both against the fp32 tower (relative error of
-  ``pooler_output``), on random batches and per fixed case;
+  ``pooler_output``, or ``last_hidden_state`` for a tower without one), on random batches and per fixed case;
 - random batches after warm-up: no dynamo retrace and no CUDA graph re-record;
 - median latency of the stock tower (sdpa) and of vgraph on the bench's fixed cases (1x224^2, 4x336^2, 3 mixed,
   1x1344^2, a 16-frame 336^2 video, and one large image, 1x1792^2), and the MFU of vgraph per case (``bench.flops.tower_flops`` over the
@@ -112,10 +112,12 @@ def main(argv=None) -> dict:
         return grid_of(items)
 
     def pixels(grid_thw, dtype):
-        return torch.randn(int(grid_thw.prod(-1).sum()), *interface.pixel_shape, device=device).to(dtype)
+        return torch.randn(interface.pixel_values_shape(int(grid_thw.prod(-1).sum())), device=device).to(dtype)
+
+    features = interface.outputs[0].name  # pooler_output, or last_hidden_state for a tower without one
 
     def pooled(module, x, grid_thw):
-        return module(x, grid_thw.to(device)).pooler_output
+        return module(x, grid_thw.to(device))[features]
 
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

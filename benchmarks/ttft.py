@@ -1,17 +1,20 @@
 """Time to first token of a whole VLM, stock transformers vs ``compile_vlm``, on seeded random requests.
 
-Models: Qwen2.5-VL-7B or Qwen3-VL-8B (packed towers), or InternVL3-1B (a fixed-tile tower: InternViT-300M on
-448 px tiles), at their released sizes (random weights, bf16, sdpa for the language model; no download).
-Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a video clip (Qwen
-only), and 20-300 text tokens, made into model inputs by the family's image processor
-(``vgraph_compile.models.qwen_vlms``, ``vgraph_compile.models.tile_vlms``). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the vision
-tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. Each system
+Models: Qwen2.5-VL-7B or Qwen3-VL-8B (packed towers), InternVL3-1B (a fixed-tile tower: InternViT-300M on 448 px
+tiles), or the VLM of any served ``vision_utils`` family (``--model paddleocr_vl``, built from its own config class:
+``vgraph_compile.models.family_vlms``), at their released sizes (random weights, bf16, sdpa for the language model;
+no download). Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a
+video clip (Qwen models only), and 20-300 text tokens, made into model inputs by transformers' Qwen2-VL image
+processor (``vgraph_compile.models.qwen_vlms``), InternVL's tile processor (``vgraph_compile.models.tile_vlms``) or
+the family's own (images, one prompt per request). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the
+vision tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. Each system
 warms up over the requests; then every request is measured under both, their order alternating per request, and the
 last-position logits of the first requests are compared with a float32 copy of the stock model.
 ``vision_time_removed``: the share of the stock tower's time (summed over the requests) that vgraph's tower saves.
 
     python benchmarks/ttft.py --model qwen2.5-vl --json benchmarks/results/ttft_qwen2.5-vl_h200.json --plot ttft.png
     python benchmarks/ttft.py --model internvl3-1b --json benchmarks/results/ttft_internvl3-1b_h200.json
+    python benchmarks/ttft.py --model paddleocr_vl --json benchmarks/results/ttft_paddleocr_vl_h200.json
     python benchmarks/ttft.py --tiny          # a tiny random model on the CPU: checks the whole flow in seconds
 """
 
@@ -32,9 +35,20 @@ from vgraph_compile.bench.result import Result
 from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.hf import compile_vlm
 from vgraph_compile.hf.vlm import find_vision_tower
-from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+from vgraph_compile.models import family_vlms
+from vgraph_compile.models.qwen_vlms import (
+    Item,
+    Request,
+    image_processor,
+    model_inputs,
+    photos,
+    qwen_vlm,
+    resized,
+    video_clip,
+)
 from vgraph_compile.models.tile_vlms import internvl, tile_inputs, tile_processor
 
+QWEN = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 TILE_MODELS = {"internvl3-1b": dict(real=dict(max_items=32), tiny=dict(max_items=8, compiler="eager"))}
 """Fixed-tile VLMs: vgraph options, released sizes and tiny."""
 
@@ -177,13 +191,10 @@ def warm_up(model, batches: list[dict], decode_tokens: int, device: torch.device
     }
 
 
-def measure(
-    model, place: tuple, towers: dict[str, torch.nn.Module], batches: list[dict], decode_tokens: int, device
-) -> dict:
+def measure(model, towers: dict[str, torch.nn.Module], batches: list[dict], decode_tokens: int, device) -> dict:
     """Every request under every system, the systems' order alternating per request (the vision tower swapped in
-    place: ``place`` is the module holding it and the attribute), so drift in clocks or allocator state falls on
-    both alike."""
-    owner, attribute = place
+    place), so drift in clocks or allocator state falls on both alike."""
+    owner, attribute = find_vision_tower(model)
     timers = {name: VisionTimer(tower, device) for name, tower in towers.items()}
     samples = {name: {"ttft": [], "vision": [], "decode": [], "tokens": []} for name in towers}
     try:
@@ -228,18 +239,8 @@ def run(args) -> dict[str, Any]:
     setting = SETTINGS["tiny" if args.tiny else "real"]
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     tiles = args.model in TILE_MODELS
-    if tiles:
-        options = TILE_MODELS[args.model]["tiny" if args.tiny else "real"]
-        model = internvl(tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
-        processor = tile_processor(model)
-        requests = random_requests(args.seed, args.requests, setting["sides"], None)
-        batches = [tile_inputs(model, request, processor, device) for request in requests]
-    else:
-        options = setting["options"]
-        model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
-        processor = image_processor(model.config, max_patches=setting["max_patches"])
-        requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
-        batches = [model_inputs(model, [request], processor, device) for request in requests]
+    options = TILE_MODELS[args.model]["tiny" if args.tiny else "real"] if tiles else setting["options"]
+    model, requests, batches = build(args, setting, device, dtype)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -262,13 +263,14 @@ def run(args) -> dict[str, Any]:
         "systems": {},
     }
     reference = float32_reference(model, batches[:CHECKED]) if dtype != torch.float32 else None
-    place = find_vision_tower(model)
-    stock = getattr(*place)
+    owner, attribute = find_vision_tower(model)
+    stock = getattr(owner, attribute)
     warmed = {
         "hf": warm_up(model, batches, setting["decode_tokens"], device, lambda: None),
         "vgraph": warm_up(model, batches, setting["decode_tokens"], device, lambda: compile_vlm(model, **options)),
     }
-    measured = measure(model, place, {"hf": stock, "vgraph": getattr(*place)}, batches, setting["decode_tokens"], device)
+    towers = {"hf": stock, "vgraph": getattr(owner, attribute)}
+    measured = measure(model, towers, batches, setting["decode_tokens"], device)
     report["systems"] = {name: {**measured[name], **warmed[name]} for name in warmed}
     hf, vgraph = report["systems"]["hf"], report["systems"]["vgraph"]
     hf_logits, vgraph_logits = hf.pop("_logits"), vgraph.pop("_logits")
@@ -282,8 +284,35 @@ def run(args) -> dict[str, Any]:
     report["first_tokens_equal"] = sum(a == b for a, b in zip(hf["first_tokens"], vgraph["first_tokens"]))
     report["ttft_p50_ratio"] = round(vgraph["ttft_p50_ms"] / hf["ttft_p50_ms"], 3)
     report["vision_time_removed"] = round(1 - vgraph["vision_total_ms"] / hf["vision_total_ms"], 3)
-    report["vgraph_buckets"] = getattr(*place).stats_table()
+    report["vgraph_buckets"] = towers["vgraph"].stats_table()
     return report
+
+
+def build(args, setting: dict, device: torch.device, dtype: torch.dtype) -> tuple[Any, list[Request], list[dict]]:
+    """(the model, its requests, each request's model inputs): a Qwen model with the Qwen2-VL processor, InternVL
+    with its tile processor, or a family's VLM with the family's own processor (images only, one prompt per
+    request)."""
+    if args.model in TILE_MODELS:
+        model = internvl(tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+        processor = tile_processor(model)
+        requests = random_requests(args.seed, args.requests, setting["sides"], None)
+        return model, requests, [tile_inputs(model, request, processor, device) for request in requests]
+    if args.model in QWEN:
+        model = qwen_vlm(args.model, tiny=args.tiny, device=device, dtype=dtype, seed=args.seed)
+        processor = image_processor(model.config, max_patches=setting["max_patches"])
+        requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
+        return model, requests, [model_inputs(model, [request], processor, device) for request in requests]
+    model = family_vlms.build_vlm(args.model, tiny=args.tiny, device=str(device), dtype=dtype, seed=args.seed)
+    processor = family_vlms.image_processor(args.model, model)
+    requests = random_requests(args.seed, args.requests, setting["sides"], None)
+    batches = [
+        family_vlms.image_inputs(
+            model, processor, [resized(item.pixels, item.resize_to) for item in request.items],
+            text_tokens=max(1, sum(request.text_tokens) // (len(request.items) + 1)), seed=request.seed,
+        )
+        for request in requests
+    ]
+    return model, requests, batches
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -311,7 +340,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="qwen2.5-vl", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl", *TILE_MODELS]
+        "--model",
+        default="qwen2.5-vl",
+        help=f"{', '.join(QWEN)}, {', '.join(TILE_MODELS)}, or a served vision_utils family (paddleocr_vl)",
     )
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)

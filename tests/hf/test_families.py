@@ -19,14 +19,8 @@ REFUSED = {
     "hunyuan_vl": r"reads a grid-derived tensor on the host \(tolist\)",
     "hy_v4_vl": r"reads a grid-derived tensor on the host \(__int__\)",
     "lfm3_vl": r"reads a grid-derived tensor on the host \(tolist\)",
-    "glm4v": r"uses grid_thw outside its metadata functions .* at models/glm4v/.*image_shapes\[seq_ids",
-    "glm4v_moe": r"uses grid_thw outside its metadata functions .* at models/glm4v_moe/.*image_shapes\[seq_ids",
-    "glm_image": r"uses grid_thw outside its metadata functions .* at models/glm_image/.*image_shapes\[seq_ids",
-    "muse_glimmer": r"uses grid_thw outside its metadata functions .* at models/muse_glimmer/",
-    "muse_spark": r"uses grid_thw outside its metadata functions .* at models/muse_spark/",
-    "glm_ocr": r"budget 256 breaks the traced constraint \(\(pixel_values.shape\[0\]//4\)\) < 16",
-    "glm5_next": r"budget 256 breaks the traced constraint \(\(pixel_values.shape\[0\]//4\)\) < 16",
-    "paddleocr_vl": r"its pixel_values carry a leading batch dim \(\[1, patches, 3, 14, 14\]\)",
+    "muse_glimmer": r"produces a data-dependent value",
+    "muse_spark": r"produces a data-dependent value",
     "inkling2": r"no pixel row layout derived from its config fits its patch embedding",
     "minimax_m3_vl": r"its output last_hidden_state has no fixed number of rows per patch",
     "video_llama_3": r"its forward takes \['merge_sizes'\] besides the pixel rows and grid_thw",
@@ -36,8 +30,14 @@ REFUSED = {
     "step3p7": r"produces a data-dependent value",
 }
 """Families refused today (README table), each with the reason its ValueError must name."""
-IMAGES_ONLY = {"kimi_k25"}
-"""Families served on images whose stock tower fails on (or does not scale with) more than one frame."""
+IMAGES_ONLY = {"kimi_k25", "glm4v", "glm4v_moe", "glm_image"}
+"""Families served on images whose stock tower fails on (or does not scale with) more than one frame (the GLM-4.1V
+towers index the grid per frame: their models pass videos one frame per grid row)."""
+GRID_TRACED = {"glm4v", "glm4v_moe", "glm_image"}
+"""Families whose tower reads its grid as a device tensor outside its metadata functions (a per-image position
+resize): the trace takes the grid as a padded table."""
+BATCHED = {"paddleocr_vl"}
+"""Families whose pixel_values carry a leading batch dim of 1."""
 
 
 def _assert_same(out, ref):
@@ -62,7 +62,7 @@ def _refused(name, tower):
             call = (torch.randn(3, tower.config.num_channels, size, size),)
         else:
             served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
-            call = (torch.randn(int(grid_thw.prod()), *served.interface.pixel_shape), grid_thw)
+            call = (torch.randn(served.interface.pixel_values_shape(int(grid_thw.prod()))), grid_thw)
         with torch.no_grad():
             served(*call)
     assert counters.snapshot()["replays"] == before
@@ -77,20 +77,21 @@ def test_served_equal_to_eager_or_refused(name):
         return _refused(name, tower)
     served = compile_vision_tower(tower, token_budgets=[256], max_items=3, compiler="eager", attention_backend="sdpa")
     assert (served.interface.video_failure is not None) == (name in IMAGES_ONLY)
+    assert served.interface.grid_traced == (name in GRID_TRACED)
+    assert served.interface.batched == (name in BATCHED)
     m = served.geometry.spatial_merge_size
     t = 1 if name in IMAGES_ONLY else 2
-    shape = served.interface.pixel_shape
     if name in IMAGES_ONLY:
         refusal = r"grid_thw\[1\] = \(3, .* has 3 frames, but .* images only"
         with torch.no_grad(), pytest.raises(ValueError, match=refusal):
-            served(torch.randn(4 * m * m, *shape), torch.tensor([(1, m, m), (3, m, m)]))
+            served(torch.randn(served.interface.pixel_values_shape(4 * m * m)), torch.tensor([(1, m, m), (3, m, m)]))
     cases = {
         "one graph call": [(1, 4 * m, 6 * m), (t, 2 * m, 2 * m), (1, m, m)],
         "split": [(1, 4 * m, 4 * m), (1, 2 * m, 2 * m), (t, m, 2 * m), (1, m, m), (1, 2 * m, m)],
     }
     for case, grid in cases.items():
         grid_thw = torch.tensor(grid)
-        pixel_values = torch.randn(int(grid_thw.prod(-1).sum()), *shape)
+        pixel_values = torch.randn(served.interface.pixel_values_shape(int(grid_thw.prod(-1).sum())))
         before = counters.snapshot()["replays"], served.split_calls
         with torch.no_grad():
             out = served(pixel_values, grid_thw)

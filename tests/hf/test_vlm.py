@@ -1,10 +1,10 @@
 """compile_vlm on tiny random VLMs: the same logits (fp32, rel <= 1e-5) and greedy tokens as the stock model, on
 inputs made from real photographs (scikit-image's samples). Qwen2-VL, Qwen2.5-VL and Qwen3-VL: by transformers'
 Qwen2-VL image processor, with a video clip panning over one photograph; images, a video, both in one prompt, two
-prompts in one batch. Four families vgraph has no code for (cohere_compass, ernie4_5_vl_moe, exaone4_5,
-dots3_note): built from their own config classes, pixels from each family's own image processor (its PIL
-backend, no torchvision), two photographs in one prompt. The stock numbers are taken from the same model before
-compile_vlm replaces its tower."""
+prompts in one batch. Six families vgraph has no code for (cohere_compass, ernie4_5_vl_moe, exaone4_5,
+dots3_note, glm4v, paddleocr_vl): built from their own config classes, pixels from each family's own image
+processor (its PIL backend, no torchvision), two photographs in one prompt. The stock numbers are taken from the
+same model before compile_vlm replaces its tower."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from vgraph_compile.models.qwen_vlms import (
 pytest.importorskip("skimage", reason="the sample photographs come with scikit-image")
 
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
-OTHER_FAMILIES = ["cohere_compass", "ernie4_5_vl_moe", "exaone4_5", "dots3_note"]
+OTHER_FAMILIES = ["cohere_compass", "ernie4_5_vl_moe", "exaone4_5", "dots3_note", "glm4v", "paddleocr_vl"]
 
 
 def _requests():

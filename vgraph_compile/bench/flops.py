@@ -42,7 +42,7 @@ def tower_flops(tower: torch.nn.Module, grid, interface: PackedTower | None = No
     interface = interface or learn_packed_tower(tower)
     parameter = next(tower.parameters())
     grid_thw = torch.tensor(grid, dtype=torch.int64)
-    pixel_values = torch.randn(int(grid_thw.prod(-1).sum()), *interface.pixel_shape)
+    pixel_values = torch.randn(interface.pixel_values_shape(int(grid_thw.prod(-1).sum())))
     pixel_values = pixel_values.to(parameter.device, parameter.dtype)
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.vgraph.varlen_attention: varlen_attention_flops})
     with torch.no_grad(), routed_attention(tower), counter:

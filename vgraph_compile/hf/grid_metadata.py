@@ -4,10 +4,12 @@ Which keywords a tower pops, and how each is computed from the grid, is the towe
 (``PackedTower.metadata``, from ``metadata_plan``); this module only computes and keeps them. The routed attention
 is on while computing, so ``get_max_seqlen`` computes ``max_seqlen`` as it does in the trace.
 
-Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid (passed through
-``localize`` when one is given: a sequence-parallel rank's share, ``hf/sequence_parallel``), moved to the
-device it was asked for, as plain tensors (outside inference mode: they keep a version counter, so the runtime
-skips re-copying them); at most ``size`` entries are kept (the least recently used one goes first).
+Invariant: a cached entry is exactly what ``PackedTower.metadata.compute`` returns for that grid (and, for a tower
+that reads its grid outside its metadata functions, the grid itself as a table of ``grid_rows`` rows under the
+grid argument's name: ``PackedTower.grid_table``; passed through ``localize`` when one is given: a
+sequence-parallel rank's share, ``hf/sequence_parallel``), moved to the device it was asked for, as plain tensors
+(outside inference mode: they keep a version counter, so the runtime skips re-copying them); at most ``size``
+entries are kept (the least recently used one goes first).
 """
 
 from __future__ import annotations
@@ -39,9 +41,13 @@ class GridMetadata:
         tower: torch.nn.Module,
         interface: PackedTower,
         size: int = 1024,
+        grid_rows: int | None = None,
         localize: Callable[[Grid, dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
-        self.tower, self.interface, self.size, self.localize = tower, interface, size, localize
+        """``grid_rows``: the row count of a ``grid_traced`` tower's grid table (more than any call's segments);
+        None: each grid's own row count (one traced shape per grid, as an exact-shape compile has)."""
+        self.tower, self.interface, self.size, self.grid_rows = tower, interface, size, grid_rows
+        self.localize = localize
         self._entries: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
 
     def __call__(self, grid: Grid, device: torch.device | str) -> dict:
@@ -50,7 +56,11 @@ class GridMetadata:
             self._entries.move_to_end(key)
             return self._entries[key]
         with torch.inference_mode(False), routed_attention(self.tower):
-            host = self.interface.metadata.compute(torch.tensor(grid, dtype=torch.int64))
+            grid_thw = torch.tensor(grid, dtype=torch.int64)
+            host = self.interface.metadata.compute(grid_thw)
+            if self.interface.grid_traced:
+                rows = len(grid) if self.grid_rows is None else self.grid_rows
+                host[self.interface.grid_argument] = self.interface.grid_table(grid_thw, rows)
             if self.localize is not None:
                 host = self.localize(grid, host)
             metadata = {

@@ -1,11 +1,18 @@
 """What vgraph learns about a packed vision tower (one that takes ``(pixel rows, grid)``) before serving it.
 
 ``learn_packed_tower(tower)`` reads the forward's signature (which argument is the grid), the config's geometry
-(patch, temporal patch, merge; the window size when the tower builds windows), the pixel row layout
-(``[patches, C*T*P*P]`` or ``[patches, C, (T,) P, P]``, the one the tower accepts), the grid metadata plan
-(``metadata_plan``), and the output's fields with their rows per patch. It then checks the plan on a second grid
-(a video and a one-merge-unit image): the tower called with the grid withheld and the planned metadata passed in
-must give exactly the stock outputs, so nothing it reads from the grid escapes the plan.
+(patch, temporal patch, merge; the window size when the tower builds windows, from the config or else from the
+constant the tower passes to its window call), the pixel row layout
+(``[patches, C*T*P*P]`` or ``[patches, C, (T,) P, P]``, the one the tower accepts; with a leading batch dim of 1,
+``[1, patches, ...]``, when only that fits), the grid metadata plan (``metadata_plan``), and the output's fields
+with their rows per patch. It then checks the plan on a second grid (a video and a one-merge-unit image): the
+tower called with the grid withheld and the planned metadata passed in must give exactly the stock outputs, so
+nothing it reads from the grid escapes the plan.
+
+Grid tables: a tower that reads its grid as a device tensor outside its metadata functions (GLM-4.1V's bicubic
+position resize indexes ``grid_thw[segment, 1]`` per patch) fails that check. It is then made with the grid
+passed too, as a fixed-size table padded with one-merge-unit rows (``PackedTower.grid_table``): if the outputs are
+still exactly the stock ones, the trace takes that table as an input and its device reads are traced.
 
 Image-only towers: when that check fails on the video (the stock tower itself fails on more than one frame, or its
 rows do not scale with frames), it is made on two images instead, and ``PackedTower.video_failure`` keeps the
@@ -14,11 +21,12 @@ video's reason: the tower is served on images only, and a grid with t > 1 is ref
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -60,6 +68,8 @@ class OutputField:
     patches_per_row: int
     """Input patches per output row (1: last_hidden_state, merge^2: pooler_output)."""
     width: tuple[int, ...]
+    batched: bool = False
+    """The field carries a leading batch dim of 1 (``[1, rows, ...]``), like a batched tower's pixel_values."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +88,30 @@ class PackedTower:
     outputs: tuple[OutputField, ...]
     video_failure: str | None = None
     """Why grids with more than one frame are refused (the stock tower fails on them); None: videos are served."""
+    batched: bool = False
+    """pixel_values carry a leading batch dim of 1 (``[1, patches, ...]``), as do the ``OutputField.batched``
+    outputs."""
+    grid_traced: bool = False
+    """The tower reads its grid outside its metadata functions: the traced call takes it as ``grid_table``."""
 
     @property
     def windowed(self) -> bool:
         return _WINDOW_KEY in self.metadata.keys
+
+    def pixel_values_shape(self, patches: int) -> tuple[int, ...]:
+        """The shape of the tower's pixel_values for ``patches`` patch rows (its leading dim of 1 included)."""
+        return ((1,) if self.batched else ()) + (patches, *self.pixel_shape)
+
+    def grid_table(self, grid_thw: torch.Tensor, rows: int) -> torch.Tensor:
+        """The grid as a ``grid_traced`` tower's traced call takes it (``grid_table``)."""
+        return grid_table(grid_thw, rows, self.geometry.spatial_merge_size)
+
+
+def grid_table(grid_thw: torch.Tensor, rows: int, merge: int) -> torch.Tensor:
+    """``grid_thw``'s rows, then one-merge-unit image rows ``(1, merge, merge)`` up to ``rows``: any segment index
+    up to ``rows - 1`` (a padded segment's) reads a valid image size, and the table has one shape for every call."""
+    padding = grid_thw.new_tensor([1, merge, merge]).expand(rows - grid_thw.shape[0], 3)
+    return torch.cat([grid_thw, padding])
 
 
 def _config_value(config, fields: tuple[str, ...], default: Any = None) -> Any:
@@ -100,7 +130,18 @@ def _temporal_patch(config) -> int:
     return _config_value(config, _TEMPORAL_FIELDS, 1)
 
 
-def _geometry(tower: torch.nn.Module, windowed: bool) -> VisionGeometry:
+def _window_size(config, plan: MetadataPlan) -> int | None:
+    """The window side in pixels: the config's ``window_size``, else the constant ``window_size`` the tower passed
+    to the call that built its windows (Muse derives it from its position table: ``pos_emb_height * patch``);
+    None when the tower builds no windows, or neither is an int."""
+    window = getattr(config, "window_size", None)
+    calls = [call for call in plan.calls if _WINDOW_KEY in call.keys]
+    if not isinstance(window, int) and calls:
+        window = calls[0].arguments.get("window_size")
+    return window if calls and isinstance(window, int) else None
+
+
+def _geometry(tower: torch.nn.Module, plan: MetadataPlan) -> VisionGeometry:
     config = tower.config
     merge, patch = _merge(config), getattr(config, "patch_size", None)
     if not isinstance(merge, int) or not isinstance(patch, int):
@@ -108,9 +149,10 @@ def _geometry(tower: torch.nn.Module, windowed: bool) -> VisionGeometry:
             tower, f"its config has no integer patch_size and spatial merge size ({' or '.join(_MERGE_FIELDS)}), "
             "so the bounds of its buckets are unknown"
         )
-    window = getattr(config, "window_size", None) if windowed else None
-    if windowed and not isinstance(window, int):
-        raise _refuse(tower, "it builds attention windows but its config has no window_size")
+    window = _window_size(config, plan)
+    if _WINDOW_KEY in plan.keys and window is None:
+        raise _refuse(tower, "it builds attention windows but neither its config nor its window call gives a "
+                      "constant window_size")
     return config_geometry(config, window)
 
 
@@ -124,14 +166,28 @@ def config_geometry(config, window_size: int | None = None) -> VisionGeometry:
     )
 
 
-def _pixel_shapes(tower: torch.nn.Module) -> list[tuple[int, ...]]:
-    """The row layouts to try: flattened first, then channels x (temporal x) patch x patch."""
+@dataclass(frozen=True)
+class _Layout:
+    """A pixel row layout: the trailing dims of one row, and whether the rows carry a leading batch dim of 1."""
+
+    shape: tuple[int, ...]
+    batched: bool
+
+    def describe(self) -> str:
+        dims = ", ".join(map(str, self.shape))
+        return f"[1, patches, {dims}]" if self.batched else f"[patches, {dims}]"
+
+
+def _layouts(tower: torch.nn.Module) -> list[_Layout]:
+    """The row layouts to try: flattened first, then channels x (temporal x) patch x patch; packed along dim 0,
+    then the same with a leading batch dim of 1."""
     config = tower.config
     channels = _config_value(config, _CHANNEL_FIELDS, 3)
     temporal = _temporal_patch(config)
     patch = config.patch_size
     shapes = [(channels * temporal * patch * patch,), (channels, temporal, patch, patch)]
-    return shapes if temporal > 1 else [shapes[0], (channels, patch, patch)]
+    shapes = shapes if temporal > 1 else [shapes[0], (channels, patch, patch)]
+    return [_Layout(shape, batched) for batched in (False, True) for shape in shapes]
 
 
 def _patches_per_row(patch_counts: list[int], row_counts: list[int]) -> int | None:
@@ -144,43 +200,38 @@ def _fields(output) -> dict[str, Any]:
     return {name: value for name, value in output.items() if value is not None}
 
 
-def _row_count(value) -> int:
-    return (value[0] if isinstance(value, (list, tuple)) else value).shape[0]
+def _first_tensor(value) -> torch.Tensor:
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
-def _inputs(tower, shape, grid) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_dim(layout: _Layout, first, second) -> int:
+    """1 for an output field that carries the batched pixel rows' leading dim of 1 on both grids, else 0."""
+    return int(layout.batched and all(_first_tensor(value).shape[0] == 1 for value in (first, second)))
+
+
+def _inputs(tower, layout: _Layout, grid) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe inputs on the tower's device, grid included, as a model passes them (the stock tower computes its
     metadata on the grid's device and indexes its own weights with it)."""
     parameter = next(tower.parameters())
     grid_thw = torch.tensor(grid, dtype=torch.int64, device=parameter.device)
     patches = int(grid_thw.prod(-1).sum())
     generator = torch.Generator().manual_seed(0)
-    pixel_values = torch.randn(patches, *shape, generator=generator).to(parameter.device, parameter.dtype)
-    return pixel_values, grid_thw
+    pixel_values = torch.randn(patches, *layout.shape, generator=generator).to(parameter.device, parameter.dtype)
+    return pixel_values[None] if layout.batched else pixel_values, grid_thw
 
 
-def _record(tower, grid) -> tuple[tuple[int, ...], MetadataPlan, Any]:
+def _record(tower, grid) -> tuple[_Layout, MetadataPlan, Any]:
     failures = []
-    for shape in _pixel_shapes(tower):
-        pixel_values, grid_thw = _inputs(tower, shape, grid)
+    for layout in _layouts(tower):
+        pixel_values, grid_thw = _inputs(tower, layout, grid)
         try:
             plan, output = record_metadata(tower, pixel_values, grid_argument(tower), grid_thw)
         except TowerRefused:
             raise
         except Exception as error:  # the tower refused this row layout: try the next one
-            failures.append(f"{shape}: {type(error).__name__}: {error}")
+            failures.append(f"{layout.describe()}: {type(error).__name__}: {error}")
             continue
-        return shape, plan, output
-    for shape in _pixel_shapes(tower):
-        pixel_values, grid_thw = _inputs(tower, shape, grid)
-        try:
-            tower(pixel_values[None], **{grid_argument(tower): grid_thw})
-        except Exception:
-            continue
-        raise _refuse(
-            tower, f"its pixel_values carry a leading batch dim ([1, patches, {', '.join(map(str, shape))}]); vgraph "
-            "serves towers whose pixel rows are packed along dim 0"
-        )
+        return layout, plan, output
     raise _refuse(
         tower, f"no pixel row layout derived from its config fits its patch embedding ({'; '.join(failures)})"
     )
@@ -212,6 +263,7 @@ class _Verified:
     output_class: type
     outputs: tuple[OutputField, ...]
     metadata_patches_per_row: dict[tuple[str, int], int]
+    grid_traced: bool
 
 
 def metadata_leaves(value: Any) -> tuple:
@@ -227,20 +279,18 @@ def _leaf_sizes(value: Any) -> list[int | None]:
     ]
 
 
-def _verify(tower, shape, plan: MetadataPlan, first: list, first_output, second: list) -> _Verified:
-    """The tower on ``second`` with the grid withheld and the planned metadata passed in gives exactly the stock
-    outputs, and every output field and metadata tensor has one number of rows per patch over both grids;
-    ``TowerRefused`` naming what broke otherwise."""
+def _served(tower, layout: _Layout, plan: MetadataPlan, grid: list, grid_traced: bool):
+    """(the stock output, the output with the grid withheld, or passed as a padded table, and the planned
+    metadata passed in) on ``grid``; ``TowerRefused`` naming the failing line when either call fails."""
     name = grid_argument(tower)
-    pixel_values, grid_thw = _inputs(tower, shape, second)
+    pixel_values, grid_thw = _inputs(tower, layout, grid)
     try:
         expected = tower(pixel_values, **{name: grid_thw})
     except Exception as error:
-        raise _refuse(tower, f"the stock tower fails on the grid {second}: {type(error).__name__}: {error}") from error
-    metadata = plan.compute(grid_thw)
-    first_metadata = plan.compute(torch.tensor(first))
+        raise _refuse(tower, f"the stock tower fails on the grid {grid}: {type(error).__name__}: {error}") from error
+    given = grid_table(grid_thw, len(grid) + 2, _merge(tower.config) or 1) if grid_traced else None
     try:
-        served = tower(pixel_values, **{name: None}, **metadata)
+        served = tower(pixel_values, **{name: given}, **plan.compute(grid_thw))
     except Exception as error:
         raise _refuse(
             tower, f"it uses {name} outside its metadata functions ({plan.describe()}) at {_failing_line(error)}: "
@@ -252,6 +302,23 @@ def _verify(tower, shape, plan: MetadataPlan, first: list, first_output, second:
         if not _same(value, _fields(served)[field_name]):
             raise _refuse(tower, f"its {field_name} differs when {plan.describe()} are passed in: it reads {name} "
                           "elsewhere too")
+    return expected
+
+
+def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_output, second: list) -> _Verified:
+    """The tower on ``second`` with the grid withheld and the planned metadata passed in gives exactly the stock
+    outputs (or, failing that, with the grid passed as a table padded with one-merge-unit rows: ``grid_traced``),
+    and every output field and metadata tensor has one number of rows per patch over both grids;
+    ``TowerRefused`` naming what broke otherwise (why the grid could not be withheld)."""
+    try:
+        expected, grid_traced = _served(tower, layout, plan, second, grid_traced=False), False
+    except TowerRefused as withheld:
+        try:
+            expected, grid_traced = _served(tower, layout, plan, second, grid_traced=True), True
+        except TowerRefused:
+            raise withheld from None
+    metadata = plan.compute(torch.tensor(second))
+    first_metadata = plan.compute(torch.tensor(first))
     patch_counts = [int(torch.tensor(grid).prod(-1).sum()) for grid in (first, second)]
     relations = {}
     for key, value in metadata.items():
@@ -264,15 +331,35 @@ def _verify(tower, shape, plan: MetadataPlan, first: list, first_output, second:
                 relations[key, leaf] = ratio
     outputs = []
     for field_name, value in _fields(expected).items():
-        ratio = _patches_per_row(patch_counts, [_row_count(_fields(first_output)[field_name]), _row_count(value)])
+        first_value = _fields(first_output)[field_name]
+        dim = _rows_dim(layout, first_value, value)
+        rows = [_first_tensor(first_value).shape[dim], _first_tensor(value).shape[dim]]
+        ratio = _patches_per_row(patch_counts, rows)
         if ratio is None:
             raise _refuse(tower, f"its output {field_name} has no fixed number of rows per patch on the grids {first} "
                           f"and {second}")
         count = len(value) if isinstance(value, (list, tuple)) else None
-        width = tuple((value[0] if count else value).shape[1:])
-        outputs.append(OutputField(field_name, count, ratio, width))
+        width = tuple(_first_tensor(value).shape[dim + 1 :])
+        outputs.append(OutputField(field_name, count, ratio, width, batched=bool(dim)))
     outputs.sort(key=lambda field: field.name != "pooler_output")  # flat outputs: the features a VLM reads first
-    return _Verified(type(expected), tuple(outputs), relations)
+    return _Verified(type(expected), tuple(outputs), relations, grid_traced)
+
+
+@contextlib.contextmanager
+def _on_host(tower: torch.nn.Module) -> Iterator[None]:
+    """The tower's tensors on the CPU while it is probed, then back: a probe grid the stock tower cannot take (an
+    index past its grid's rows, as a tower indexing its grid per frame makes on a video) raises an error there,
+    where on a GPU it is a device-side assert that ends the process's CUDA context. The plan is computed on the
+    host anyway."""
+    device = next(tower.parameters()).device
+    if device.type == "cpu":
+        yield
+        return
+    tower.to("cpu")
+    try:
+        yield
+    finally:
+        tower.to(device)
 
 
 def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
@@ -297,17 +384,17 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     video = [(2, 2 * merge, 4 * merge), (1, merge, merge)]
     images = [(1, 2 * merge, 4 * merge), (1, merge, merge)]
     video_failure = None
-    with torch.no_grad(), routed_attention(tower):
-        shape, plan, first_output = _record(tower, first)
+    with torch.no_grad(), routed_attention(tower), _on_host(tower):
+        layout, plan, first_output = _record(tower, first)
         try:
-            verified = _verify(tower, shape, plan, first, first_output, video)
+            verified = _verify(tower, layout, plan, first, first_output, video)
         except TowerRefused as refusal:
             video_failure = str(refusal).split(": ", 1)[1]
-            verified = _verify(tower, shape, plan, first, first_output, images)
-    geometry = _geometry(tower, _WINDOW_KEY in plan.keys)
+            verified = _verify(tower, layout, plan, first, first_output, images)
+    geometry = _geometry(tower, plan)
     return PackedTower(
-        name, geometry, shape, plan, verified.metadata_patches_per_row, verified.output_class, verified.outputs,
-        video_failure,
+        name, geometry, layout.shape, plan, verified.metadata_patches_per_row, verified.output_class,
+        verified.outputs, video_failure, layout.batched, verified.grid_traced,
     )
 
 

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 Parallel = Literal["data", "sequence", "auto"]
 
+_MAX_ROWS = 2**31 - 1
+"""The upper end of a metadata length's stated range (``_mark_sizes``): int32 offsets hold no more."""
 
 def _row_starts(grid) -> list[int]:
     """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
@@ -55,8 +57,10 @@ def _row_starts(grid) -> list[int]:
 
 
 class TowerCall(torch.nn.Module):
-    """The traced forward: the tower with its grid withheld and every grid-derived value passed in, so nothing
-    syncs the host; returns the output fields flat (list fields expanded).
+    """The traced forward: the tower with its grid withheld (or, for a ``grid_traced`` tower, passed in as a
+    fixed-size table among the metadata) and every grid-derived value passed in, so nothing syncs the host; takes
+    and returns rows packed along dim 0 (a ``batched`` tower gets its leading dim of 1 added, and its batched
+    fields lose it); returns the output fields flat (list fields expanded).
 
     The ``torch._check`` calls state what holds by construction (one position id per patch, one window-index entry
     per merged token: the learned ``metadata_patches_per_row``), so the trace gives those lengths one symbol.
@@ -69,8 +73,9 @@ class TowerCall(torch.nn.Module):
         super().__init__()
         self.tower = tower
         self.grid_argument = interface.grid_argument
+        self.batched = interface.batched
         self.relations = interface.metadata_patches_per_row
-        self.fields = [field.name for field in interface.outputs]
+        self.outputs = interface.outputs
         shared = type(self).forward
         own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
         self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
@@ -80,11 +85,13 @@ class TowerCall(torch.nn.Module):
         for (key, part), per_row in self.relations.items():
             value = metadata_leaves(metadata[key])[part]
             torch._check((value.shape[0] if isinstance(value, torch.Tensor) else value) * per_row == patches)
-        out = self.tower(pixel_values, **{self.grid_argument: None}, **metadata)
+        rows = pixel_values[None] if self.batched else pixel_values
+        out = self.tower(rows, **{self.grid_argument: None, **metadata})
         flat = []
-        for name in self.fields:
-            value = out[name]
-            flat.extend(value if isinstance(value, (list, tuple)) else (value,))
+        for field in self.outputs:
+            value = out[field.name]
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            flat.extend(tensor[0] if field.batched else tensor for tensor in values)
         return tuple(flat)
 
 
@@ -144,21 +151,27 @@ class CompiledVisionTower(TowerStandIn):
         super().__init__(tower)
         self.interface = interface
         """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
+        self.signature = inspect.signature(tower.forward)
+        """The tower's forward signature: calls bind to it, by position or by the tower's own names."""
         self.defaults = {
             name: parameter.default
-            for name, parameter in inspect.signature(tower.forward).parameters.items()
+            for name, parameter in self.signature.parameters.items()
             if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
         }
         """The tower's forward parameters by name, with their defaults (``inspect.Parameter.empty`` where none)."""
+        self.pixel_argument = next(iter(self.defaults))
+        """The forward's pixel rows argument (``hidden_states``, ``pixel_values``...): its first."""
         self.vgraph_config = config
         self.geometry = config.geometry
-        self.grid_metadata = GridMetadata(tower, interface, metadata_cache_size)
+        self.grid_metadata = GridMetadata(tower, interface, metadata_cache_size, grid_rows=config.max_frames + 1)
         self.split_calls = 0
         self.stock_calls = 0
         self.process_group = process_group
         """A ``torch.distributed`` process group to encode over; None: this rank alone."""
         if parallel not in ("data", "sequence", "auto"):
             raise ValueError(f"parallel={parallel!r}: choose 'data', 'sequence' or 'auto'")
+        if parallel == "sequence" and self.sequence_refusal:
+            raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
         self.parallel = parallel
         self.sequence_cost = sequence_cost
         """``parallel="auto"``: what a sequence-parallel row costs in data-parallel rows (``choose``)."""
@@ -197,86 +210,125 @@ class CompiledVisionTower(TowerStandIn):
         return "\n".join(tables)
 
     # -- checks ------------------------------------------------------------------------------------------------
-    def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+    def _check(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """(the pixel rows packed along dim 0, the grid), or a ValueError in the tower's argument names."""
+        pixels, grid_name = self.pixel_argument, self.interface.grid_argument
         if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
             raise ValueError(
-                f"grid_thw must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}"
+                f"{grid_name} must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}"
             )
         if grid_thw.is_floating_point():
-            raise ValueError(f"grid_thw must hold integers, got {grid_thw.dtype}")
+            raise ValueError(f"{grid_name} must hold integers, got {grid_thw.dtype}")
         grid = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
         merge = self.geometry.spatial_merge_size
         for index, (t, h, w) in enumerate(grid):
             if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
                 raise ValueError(
-                    f"grid_thw[{index}] = {(t, h, w)}: t, h, w must be positive and h, w multiples of the spatial "
+                    f"{grid_name}[{index}] = {(t, h, w)}: t, h, w must be positive and h, w multiples of the spatial "
                     f"merge size {merge} (the image processor resizes images to that)"
                 )
         video_failure = self.interface.video_failure
         videos = [index for index, (t, _, _) in enumerate(grid) if t > 1]
         if videos and video_failure:
             raise ValueError(
-                f"grid_thw[{videos[0]}] = {grid[videos[0]]} has {grid[videos[0]][0]} frames, but "
+                f"{grid_name}[{videos[0]}] = {grid[videos[0]]} has {grid[videos[0]][0]} frames, but "
                 f"{type(self.tower).__name__} serves images only (t = 1): {video_failure}. Pass videos one frame per "
                 "row, as its model's get_video_features does"
             )
         shape = self.interface.pixel_shape
-        if tuple(pixel_values.shape[1:]) != shape:
+        leading = (1,) if self.interface.batched else ()
+        dims = tuple(pixel_values.shape)
+        if dims[: len(leading)] != leading or dims[len(leading) + 1 :] != shape:
             raise ValueError(
-                f"pixel_values must be [patches, {', '.join(map(str, shape))}] (the processor's patch rows), "
-                f"got {tuple(pixel_values.shape)}"
+                f"{pixels} must be [{'1, ' * len(leading)}patches, {', '.join(map(str, shape))}] (the processor's "
+                f"patch rows), got {tuple(pixel_values.shape)}"
             )
         rows = sum(t * h * w for t, h, w in grid)
-        if pixel_values.shape[0] != rows:
+        if pixel_values.shape[len(leading)] != rows:
             raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} rows but grid_thw describes sum(t*h*w) = {rows} patches: "
-                "pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
+                f"{pixels} has {pixel_values.shape[len(leading)]} rows but {grid_name} describes sum(t*h*w) = {rows} "
+                "patches: pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
             )
         parameter = self.parameter
         if pixel_values.device != parameter.device or pixel_values.dtype != parameter.dtype:
             raise ValueError(
-                f"pixel_values is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
-                f"on {parameter.device}: convert with pixel_values.to(tower.device, tower.dtype)"
+                f"{pixels} is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
+                f"on {parameter.device}: convert with {pixels}.to(tower.device, tower.dtype)"
             )
-        return grid
+        return (pixel_values[0] if leading else pixel_values), grid
 
     # -- per call ----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
 
-        The image is one window tall and two wide, so both attention groups (frames and windows) have segments in
-        the trace; which group is the window group comes from ``VGraphConfig.window_offsets`` (the tower's
-        ``cu_window_seqlens``), not from the image. Later calls skip dynamo, in any grad mode.
+        The image is one window tall (one merge unit without windows) and as many wide as the smallest budget
+        holds, at least two: both attention groups (frames and windows) have segments in the trace, and a size
+        guard the trace keeps (a convolution's backend choice for a batch under 16 rows) is one that holds at the
+        sizes of the buckets, not at a toy size below them. Which group is the window group comes from
+        ``VGraphConfig.window_offsets`` (the tower's ``cu_window_seqlens``), not from the image. Later calls skip
+        dynamo, in any grad mode.
         """
         if self.runtimes:
             return
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
-        grid = ((1, side, 2 * side),)
+        wide = max(2, self.vgraph_config.budgets[0] // (side * side))
+        grid = ((1, side, wide * side),)
         parameter = self.parameter
-        shape = (2 * side * side, *self.interface.pixel_shape)
+        shape = (wide * side * side, *self.interface.pixel_shape)
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
-        return self.compiled(pixel_values, **self.grid_metadata(grid, pixel_values.device))
+        metadata = self.grid_metadata(grid, pixel_values.device)
+        if not self.compiled.traced:
+            self._mark_sizes(metadata)
+        return self.compiled(pixel_values, **metadata)
 
-    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
-        """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
-        return_dict = kwargs.pop("return_dict", True)
-        kwargs = {name: value for name, value in kwargs.items() if not asks_nothing(self.defaults, name, value)}
-        if kwargs or self.training or torch.is_grad_enabled():
+    def _mark_sizes(self, metadata: dict[str, Any]) -> None:
+        """Before the trace: a grid table's rows are one size for every call (static), and every other metadata
+        tensor whose length is not tied to the patch count (offsets: one entry per segment, plus one) has at least
+        one row. Without that bound, torch 2.11's inductor cannot size a slice of it under size-oblivious tracing
+        (``cu_seqlens[1:]`` in a tower's own code) and fails to lower it."""
+        for key, value in metadata.items():
+            if key == self.interface.grid_argument:
+                torch._dynamo.mark_static(value, 0)
+                continue
+            for part, leaf in enumerate(metadata_leaves(value)):
+                if not isinstance(leaf, torch.Tensor) or not leaf.dim():
+                    continue
+                if (key, part) not in self.interface.metadata_patches_per_row:
+                    torch._dynamo.mark_dynamic(leaf, 0, min=1, max=_MAX_ROWS)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """The tower's own arguments, by position or by its names (the processor's pixel rows as
+        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...)."""
+        try:
+            arguments = dict(self.signature.bind(*args, **kwargs).arguments)
+        except TypeError as error:
+            raise ValueError(f"{type(self.tower).__name__}.forward{self.signature}: {error}") from None
+        pixel_values = arguments.pop(self.pixel_argument)
+        grid_thw = arguments.pop(self.interface.grid_argument, None)
+        options = {}
+        for name, value in arguments.items():
+            kind = self.signature.parameters[name].kind
+            options.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+        return_dict = options.pop("return_dict", True)
+        options = {name: value for name, value in options.items() if not asks_nothing(self.defaults, name, value)}
+        if options or self.training or torch.is_grad_enabled():
             self.stock_calls += 1
-            if kwargs:
-                log.debug("keywords %s: the stock tower serves this call", sorted(kwargs))
-            return self.tower(hidden_states, grid_thw, return_dict=return_dict, **kwargs)
-        out = self._serve(hidden_states, grid_thw)
+            if options:
+                log.debug("keywords %s: the stock tower serves this call", sorted(options))
+            return self.tower(*args, **kwargs)
+        out = self._serve(pixel_values, grid_thw)
         return out if return_dict else out.to_tuple()
 
     def _serve(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         if self.process_group is not None:
             return self._serve_parallel(pixel_values, grid_thw)
-        grid = self._check(pixel_values, grid_thw)
+        pixel_values, grid = self._check(pixel_values, grid_thw)
         self.warmup()
         return self._output(self._encode(pixel_values, grid))
 
@@ -301,7 +353,7 @@ class CompiledVisionTower(TowerStandIn):
         gathers everyone's outputs."""
         group = self.process_group
         try:
-            grid, refused = self._check(pixel_values, grid_thw), None
+            (pixel_values, grid), refused = self._check(pixel_values, grid_thw), None
         except ValueError as error:
             grid, refused = [], error
         key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
@@ -316,7 +368,9 @@ class CompiledVisionTower(TowerStandIn):
             )
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         mode = self.parallel
-        if grid and ranks > 1 and mode != "data":
+        if mode == "sequence" and self.sequence_refusal:
+            raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
+        if grid and ranks > 1 and mode != "data" and not self.sequence_refusal:
             split = self._row_split(tuple(grid), ranks)
             if mode == "auto":
                 mode = sequence_parallel.choose(grid, split, self.sequence_cost)
@@ -339,6 +393,17 @@ class CompiledVisionTower(TowerStandIn):
         return self._output(data_parallel.gather(local, flat_folds, units, assignment, rank, group))
 
     # -- sequence parallel --------------------------------------------------------------------------------------
+    @property
+    def sequence_refusal(self) -> str | None:
+        """Why this tower cannot be encoded sequence parallel (None: it can). A rank's slice is rows of a
+        ``[patches, ...]`` pixel layout, and the sliced metadata is the learned plan's; a grid table read in the
+        graph is indexed by segment, which a slice does not renumber."""
+        if self.interface.batched:
+            return f"{type(self.tower).__name__} takes pixel_values with a leading batch dim"
+        if self.interface.grid_traced:
+            return f"{type(self.tower).__name__} reads {self.interface.grid_argument} inside its graph"
+        return None
+
     def _row_split(self, grid: Grid, ranks: int) -> sequence_parallel.Split:
         unit, _ = rows_per_unit(self.interface.outputs)
         return sequence_parallel.split_rows(grid, self.geometry, ranks, unit)
@@ -364,7 +429,7 @@ class CompiledVisionTower(TowerStandIn):
             rank,
             ranks,
             encoder(TowerCall(self.tower, self.interface), config=config),
-            GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize),
+            GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize=localize),
         )
         self.__dict__["sequence_graphs"] = graphs
         side = 2 * self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
@@ -412,15 +477,13 @@ class CompiledVisionTower(TowerStandIn):
         return [torch.cat(field) for field in pieces]
 
     def _output(self, flat: list[torch.Tensor]):
-        """The tower's own output object from the flat fields."""
+        """The tower's own output object from the flat fields (a batched field gets its leading dim of 1 back)."""
         fields, position = {}, 0
         for field in self.interface.outputs:
-            if field.count is None:
-                fields[field.name] = flat[position]
-                position += 1
-            else:
-                fields[field.name] = list(flat[position : position + field.count])
-                position += field.count
+            values = flat[position : position + (field.count or 1)]
+            values = [value[None] if field.batched else value for value in values]
+            fields[field.name] = values[0] if field.count is None else values
+            position += field.count or 1
         return self.interface.output_class(**fields)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from vgraph_compile.models.hf_families import TINY_SIZES, declared_config, family, shrunk
 
-__all__ = ["TINY_TEXT", "build_vlm", "image_processor", "image_inputs"]
+__all__ = ["RELEASED_TEXT_FIELDS", "TINY_TEXT", "build_vlm", "image_processor", "image_inputs"]
 
 TINY_TEXT = dict(
     hidden_size=128,
@@ -39,6 +39,13 @@ TINY_TEXT = dict(
 )
 """Text config fields shrunk (where the config has them, with the same type): one layer, width 128 in one head of
 128 (every family's multimodal rotary sections fit it), 4 experts with 2 routed per token."""
+
+
+RELEASED_TEXT_FIELDS = {
+    "glm4v": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+}
+"""Text config fields a family's released checkpoints set and its config class leaves out, by model type:
+GLM-4.1V rotates half of each head (its model's default rotary sections, [8, 12, 12], span 64 of 128 dims)."""
 
 
 def vlm_class(name: str) -> type:
@@ -77,13 +84,25 @@ def _tiny_config(config_class: type) -> dict:
     return fields
 
 
-def build_vlm(name: str, tiny: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+def build_vlm(
+    name: str,
+    tiny: bool = True,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    text_fields: dict | None = None,
+):
     """The family's VLM with random weights, in eval mode, sdpa attention: tiny (see the module docstring), or the
-    config class's defaults (the released sizes)."""
+    config class's defaults (the released sizes); ``text_fields`` over the text config's (default: the family's
+    ``RELEASED_TEXT_FIELDS``)."""
     model_class = vlm_class(name)
     config_class = declared_config(model_class)
     torch.manual_seed(seed)
-    config = config_class(**(_tiny_config(config_class) if tiny else {}))
+    fields = _tiny_config(config_class) if tiny else {}
+    text_fields = RELEASED_TEXT_FIELDS.get(name) if text_fields is None else text_fields
+    if text_fields:
+        fields["text_config"] = {**fields.get("text_config", config_class().to_dict()["text_config"]), **text_fields}
+    config = config_class(**fields)
     with torch.device(device):
         model = model_class._from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.eval()

@@ -36,11 +36,14 @@ TINY_SIZES = dict(
     intermediate_size=64,
     out_hidden_size=48,
     num_position_embeddings=64,
+    pos_emb_height=8,
+    pos_emb_width=8,
     fullatt_block_indexes=[1],
     deepstack_visual_indexes=[0],
 )
 """Config fields that size a tower, shrunk: a field is set only where the family's config has it (one block,
-width 32, 2 heads, merger output 48, a 8 x 8 position table). A tower with window blocks (its config lists its
+width 32, 2 heads, merger output 48, a 8 x 8 position table: a tower whose window is that table's side gets
+windows of 8 patches). A tower with window blocks (its config lists its
 full-attention blocks, ``fullatt_block_indexes``) gets two (``shrunk``)."""
 
 
