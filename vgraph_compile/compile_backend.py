@@ -26,6 +26,7 @@ from vgraph_compile.analyze import ANALYSES, Analyses, analyze
 from vgraph_compile.compile.build import build
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
+from vgraph_compile.serve.arguments import argument_rooted
 from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile.spec import PassContext, StaticTokensError, user_name
@@ -141,16 +142,24 @@ class VGraphBackend:
             analyze(gm, ctx, self.analyses)
         except StaticTokensError as error:
             return self._static_trace(gm, str(error))
-        checks = CallChecks(ctx)
+        checks = CallChecks.from_context(ctx)
         checks.check(_first_call(example_inputs, ctx.shape_env))
         encoder = build(gm, ctx)
         counters.traces += 1
         self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
-        runtime = VGraphRuntime(encoder, checks, ctx, sources, self.keep_first_outputs)
+        fixed = [
+            None if source is not None and argument_rooted(source) else value
+            for source, value in zip(sources, ctx.example_inputs)
+        ]
+        runtime = VGraphRuntime(encoder, checks, ctx.device, fixed, sources, self.keep_first_outputs)
+        self.adopt(runtime)
+        return runtime
+
+    def adopt(self, runtime: VGraphRuntime) -> None:
+        """Keep ``runtime`` with this backend's (a runtime this backend built, or one assembled from a saved plan)."""
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
-        return runtime
 
 
 def vgraph_backend(

@@ -7,6 +7,10 @@ graph's inputs (``serve/arguments``) and the runtime validates, fills, replays a
 cannot tell apart without a retrace (another argument structure, another specialized constant) goes through
 dynamo again. A call with autograd enabled on trainable parameters or inputs runs the encoder as written.
 The returned callable exposes ``.vgraph`` (the backend, with its runtimes and their stats).
+
+Warm start: the first call first looks for a build plan saved by an earlier process for the same encoder, config
+and call structure (``vgraph_compile.warm_start``) and, with one, serves from it with no trace and no compile.
+After a first trace the plan is saved for later processes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.runtime import VGraphRuntime
+from vgraph_compile import warm_start
 
 __all__ = ["encoder", "trace_options", "CompiledEncoderFunction"]
 
@@ -77,6 +82,9 @@ class CompiledEncoderFunction:
         """Whether the module has parameters that require grad (read on the first call with grad enabled)."""
         self._trace_lock = threading.Lock()
         self._warned_limit = False
+        self._plan_key: str | None = None
+        """The key of this encoder's build plan, computed at its first call (``warm_start.plan_key``)."""
+        self._first_call = True
         functools.update_wrapper(self, self._forward)
 
     @property
@@ -104,6 +112,11 @@ class CompiledEncoderFunction:
             if result is not NotImplemented:
                 return result
         with self._trace_lock:
+            if self._first_call:
+                self._first_call = False
+                result = self._warm_start(args, kwargs)
+                if result is not NotImplemented:
+                    return result
             try:
                 with trace_options(args):
                     result = self._compiled(*args, **kwargs)
@@ -115,7 +128,26 @@ class CompiledEncoderFunction:
                 return self._over_recompile_limit(args, kwargs)
             if self._hot is None and self.vgraph.runtimes:  # the runtime that served this call's trace
                 self._hot = self._hot_path(self.vgraph.runtimes[-1], args, kwargs, result)
+                if self._hot is not None and self._plan_key is not None:
+                    hot = self._hot
+                    warm_start.save(self.vgraph.config, self._plan_key, self.target, hot.runtime, hot.arguments,
+                                    hot.layout)  # fmt: skip
         return result
+
+    def _warm_start(self, args: tuple, kwargs: dict) -> Any:
+        """Serve the first call from a saved build plan, when there is one; NotImplemented otherwise (the call
+        traces, and the plan is saved under the key computed here)."""
+        config = self.vgraph.config
+        self._plan_key = warm_start.plan_key(self.target, config, args, kwargs)
+        if self._plan_key is None:
+            return NotImplemented
+        loaded = warm_start.load(config, self._plan_key, self.target, self._forward)
+        if loaded is None:
+            return NotImplemented
+        runtime, arguments, layout = loaded
+        self.vgraph.adopt(runtime)
+        self._hot = _HotPath(runtime, arguments, layout)
+        return self._hot(args, kwargs)
 
     def _over_recompile_limit(self, args: tuple, kwargs: dict) -> Any:
         """Dynamo refuses another trace of this forward (its recompile limit): run it as written, counted."""

@@ -27,8 +27,7 @@ import torch
 from vgraph_compile.compile.build import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.counters import counters
-from vgraph_compile.spec import BucketShape, PassContext
-from vgraph_compile.serve.arguments import argument_rooted
+from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve.checks import CallChecks, CallPlan
 
 __all__ = ["VGraphRuntime"]
@@ -54,33 +53,32 @@ class VGraphRuntime:
         self,
         encoder: CompiledEncoder,
         checks: CallChecks,
-        ctx: PassContext,
-        sources: Sequence[Any],
+        device: torch.device,
+        fixed_inputs: Sequence[Any],
+        sources: Sequence[Any] | None = None,
         keep_first_outputs: bool = False,
     ) -> None:
         self.serial = next(_SERIALS)
         self.name = f"vgraph encoder #{self.serial}"
         self.encoder = encoder
-        """The compiled graph and its buckets (built inside the backend's call, after the first call's checks)."""
+        """The compiled graph and its buckets (built inside the backend's call, after the first call's checks, or
+        assembled from a saved build plan)."""
         self.checks = checks
-        self.spec = ctx.spec
-        self.config = ctx.config
-        self.device = ctx.device
+        self.spec = checks.spec
+        self.config = checks.config
+        self.device = device
         self.misses: dict[str, _Miss] = {}
         self._chosen: dict[tuple[int, ...], Bucket | None] = {}
         """The bucket chosen per call sizes, kept once the graphs are captured (a capture may drop buckets)."""
         self._lock = threading.Lock()
         self._done: torch.cuda.Event | None = None
+        self.fixed_inputs = list(fixed_inputs)
+        """The value of each input not read from the call's arguments (parameters, module state); None elsewhere."""
         self._parameters_need_grad = any(
-            isinstance(value, torch.Tensor) and value.requires_grad for value in ctx.example_inputs
+            isinstance(value, torch.Tensor) and value.requires_grad for value in self.fixed_inputs
         )
-        self.input_sources = list(sources)
-        """Dynamo's source of each graph input (None where it has none)."""
-        self.fixed_inputs = [
-            None if source is not None and argument_rooted(source) else value
-            for source, value in zip(self.input_sources, ctx.example_inputs)
-        ]
-        """The traced value of each input not read from the call's arguments (parameters, module state)."""
+        self.input_sources = list(sources) if sources is not None else None
+        """Dynamo's source of each graph input (None where it has none); None for a runtime no trace made."""
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
