@@ -57,10 +57,12 @@ def trace_options(args: tuple = ()) -> contextlib.ExitStack:
 
 
 class _HotPath:
-    """One runtime called straight from the encoder's arguments."""
+    """One runtime called straight from the encoder's arguments, past dynamo's guards: the aligned parameters
+    padded past their first dim become views of the graphs' tensors too (``CompiledEncoder.share_strided``)."""
 
     def __init__(self, runtime: VGraphRuntime, arguments: CallArguments, layout: OutputLayout) -> None:
         self.runtime, self.arguments, self.layout = runtime, arguments, layout
+        runtime.encoder.share_strided()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         inputs = self.arguments.read(args, kwargs)

@@ -110,6 +110,8 @@ class CompiledEncoder:
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
     captured: bool = False
     """Whether ``warmup`` ran (the buckets list is final)."""
+    strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    """(module parameter, its aligned tensor) of each parameter padded past its first dim and still held twice."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +133,15 @@ class CompiledEncoder:
                 self.pool_bytes = torch.cuda.memory_reserved() - reserved
             self.captured = True
 
+    def share_strided(self) -> None:
+        """Make each parameter of ``strided`` a strided view of its aligned tensor, so its weights are held once
+        (the module keeps its shapes and ``state_dict``; eager and autograd calls take the view). Only for callers
+        that skip dynamo's guards after the first trace (``vgraph_compile.encoder``): dynamo guards parameters'
+        strides, so a guarded call of the module would trace again."""
+        for parameter, padded in self.strided:
+            _share(parameter, padded)
+        self.strided.clear()
+
 
 def _cudagraphs(ctx: PassContext) -> bool:
     config = ctx.config
@@ -145,6 +156,13 @@ def _cudagraphs(ctx: PassContext) -> bool:
     return wanted
 
 
+def _share(parameter: torch.Tensor, padded: torch.Tensor) -> None:
+    """Make ``parameter``'s data the leading block of ``padded`` (its own storage is freed once unreferenced)."""
+    with torch.no_grad():
+        parameter.data = padded[tuple(slice(0, size) for size in parameter.shape)]
+    _ALIGNED[parameter] = weakref.ref(padded)
+
+
 def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A zero tensor of ``shape`` holding ``parameter`` in its leading block.
 
@@ -156,8 +174,8 @@ def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     before compiling it. A later trace of the same module (another grad mode, say) gets the same tensor back.
 
     Padded along a later dim (a consumer's weight columns), the block's row stride is the padded width, and dynamo
-    guards the parameter's strides: a view there would make every later guarded call retrace. That weight stays a
-    zero-padded copy.
+    guards the parameter's strides: a view there would make a later guarded call retrace. That weight stays a
+    copy until ``CompiledEncoder.share_strided`` (for callers past dynamo's guards) makes it a view too.
     """
     known = _ALIGNED.get(parameter)
     padded = known() if known is not None else None
@@ -168,8 +186,7 @@ def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         block = padded[tuple(slice(0, size) for size in parameter.shape)]
         block.copy_(parameter.detach())
         if block.stride() == parameter.stride():
-            parameter.data = block
-            _ALIGNED[parameter] = weakref.ref(padded)
+            _share(parameter, padded)
     return padded
 
 
@@ -183,13 +200,16 @@ def assemble(spec: VarlenSpec, record: BuildRecord, compiled: CompiledFn, state:
     bound = [
         _aligned(value, layout.padded[index]) if index in layout.padded else value for index, value in enumerate(state)
     ]
+    strided = [
+        (state[index], bound[index]) for index in layout.padded if bound[index].data_ptr() != state[index].data_ptr()
+    ]
     for index, value in layout.constants.items():
         bound[index] = value
     with torch.inference_mode(False):
         buckets = bucket_graphs.allocate(spec, list(record.shapes), bound, layout.copied, layout.sizes)
     counters.buckets_built += len(buckets)
     roles = {index: spec.inputs[index].role for index in layout.copied}
-    return CompiledEncoder(record, compiled, buckets, roles)
+    return CompiledEncoder(record, compiled, buckets, roles, strided=strided)
 
 
 def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
