@@ -64,11 +64,11 @@ class _HotPath:
         self.runtime, self.arguments, self.layout = runtime, arguments, layout
         runtime.encoder.share_strided()
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, args: tuple, kwargs: dict, key: Any = None) -> Any:
         inputs = self.arguments.read(args, kwargs)
         if inputs is None:
             return NotImplemented
-        return self.layout.build(self.runtime(*inputs))
+        return self.layout.build(self.runtime(*inputs, key=key))
 
 
 class CompiledEncoderFunction:
@@ -106,11 +106,17 @@ class CompiledEncoderFunction:
         return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_keyed(None, *args, **kwargs)
+
+    def call_keyed(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        """A call where ``key`` (hashable; None: no promise) promises that every argument but the token rows
+        equals that of any earlier call with the same key, so the graphs' metadata buffers are filled by one copy
+        of what that call staged (``VGraphRuntime``). The HF towers key their calls by the grid."""
         if self._needs_autograd(args, kwargs):
             return self.target(*args, **kwargs)
         hot = self._hot
         if hot is not None:
-            result = hot(args, kwargs)
+            result = hot(args, kwargs, key)
             if result is not NotImplemented:
                 return result
         with self._trace_lock:

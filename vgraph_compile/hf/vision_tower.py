@@ -23,6 +23,7 @@ from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
+from vgraph_compile.hf.outputs import OutputFactory
 from vgraph_compile.hf.packed_tower import (
     PackedTower,
     grid_argument,
@@ -135,6 +136,8 @@ class CompiledVisionTower(TowerStandIn):
         self.process_group = process_group
         """A ``torch.distributed`` process group to encode over, data parallel; None: this rank alone."""
         self.load_stats = data_parallel.LoadStats()
+        self.make_output = OutputFactory(interface.output_class)
+        """Builds the tower's output object from its fields (``hf/outputs``)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -220,7 +223,8 @@ class CompiledVisionTower(TowerStandIn):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
-        return self.compiled(pixel_values, **self.grid_metadata(grid, pixel_values.device))
+        """The compiled tower on one batch, keyed by its grid: the metadata is the grid's, from the cache."""
+        return self.compiled.call_keyed(grid, pixel_values, **self.grid_metadata(grid, pixel_values.device))
 
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any):
         """``hidden_states`` are the processor's ``pixel_values`` rows (the tower's own argument name)."""
@@ -320,7 +324,7 @@ class CompiledVisionTower(TowerStandIn):
             else:
                 fields[field.name] = list(flat[position : position + field.count])
                 position += field.count
-        return self.interface.output_class(**fields)
+        return self.make_output(fields)
 
 
 def is_packed_tower(tower: torch.nn.Module) -> bool:
