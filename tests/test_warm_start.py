@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.counters import counters
+from vgraph_compile.warm_start import BuildPlan, GraphPlan
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +25,8 @@ CALLS = ([5, 7], [30, 20], [3])
 OPTIONS = {"token_budgets": (16, 64), "max_segments": 4, "attention_backend": "sdpa"}
 
 # A first compile: 1 trace, 1 site, its kernel set in the eager and compiled copies (2 rewrites), 2 buckets, 3 calls,
-# and the plan saved.
-FIRST = dict(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replays=3, plans_saved=1)
+# and 2 plans saved: the decorator's and the backend's graph plan.
+FIRST = dict(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replays=3, plans_saved=2)
 # Served from the plan: its buckets allocated, 3 calls replayed; nothing traced, analyzed, rewritten or compiled.
 WARM = dict(plans_loaded=1, buckets_built=2, replays=3)
 
@@ -32,6 +34,7 @@ SERVE = """
 import json, sys, torch
 import vgraph_compile
 from vgraph_compile.counters import counters
+from vgraph_compile.warm_start import BuildPlan, GraphPlan
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 torch.manual_seed(int(sys.argv[2]))
 model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
@@ -66,8 +69,9 @@ def _serve(model, directory: Path, **options):
     return compiled
 
 
-def _plans(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*.plan"))
+def _plans(directory: Path, kind: type = BuildPlan) -> list[Path]:
+    """The plans of ``kind`` saved in ``directory`` (the decorator's ``BuildPlan``s, or the backend's)."""
+    return sorted(path for path in directory.glob("*.plan") if type(pickle.loads(path.read_bytes())) is kind)
 
 
 def test_a_second_process_serves_with_no_trace_and_no_compile(tmp_path):
@@ -139,22 +143,27 @@ def test_a_plan_of_another_model_config_or_call_is_never_used(tmp_path, caplog):
     torch._dynamo.reset()
     compiled = vgraph_compile.encoder(_model(), artifact_dir=str(tmp_path), compiler="eager", **OPTIONS)
     patches, cu_seqlens, max_seqlen = pack_images([5, 7], 12)
-    with torch.no_grad(), counters.expect(**{**FIRST, "replays": 1}):
-        compiled(patches, cu_seqlens, max_seqlen=max_seqlen)  # a keyword: another call structure
-    assert len(_plans(tmp_path)) == 4
+    # a keyword: another call structure, so another decorator plan; dynamo's trace of it is the same graph, which
+    # the backend serves from the first call's graph plan
+    with torch.no_grad(), counters.expect(traces=1, plans_loaded=1, plans_saved=1, buckets_built=2, replays=1):
+        compiled(patches, cu_seqlens, max_seqlen=max_seqlen)
+    assert len(_plans(tmp_path)) == 4 and len(_plans(tmp_path, GraphPlan)) == 3
     with counters.expect(**WARM):
         _serve(_model(seed=7), tmp_path, compiler="eager")
     (original,) = first
     other_budgets.write_bytes(original.read_bytes())  # the first plan under the other budgets' key
     Path(f"{other_budgets}.json").write_text(Path(f"{original}.json").read_text())
-    with caplog.at_level(logging.WARNING), counters.expect(**{**FIRST, "buckets_built": 3}):
+    # refused; traced again, the trace served from its graph plan (no analyses), the decorator's plan saved again
+    with caplog.at_level(logging.WARNING), counters.expect(traces=1, plans_loaded=1, plans_saved=1, buckets_built=3,
+                                                           replays=3):  # fmt: skip
         _serve(_model(), tmp_path, compiler="eager", token_budgets=(16, 32, 64))
     assert "was saved for another build" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage with its hash", "another object"])
 def test_a_damaged_plan_is_rebuilt(tmp_path, caplog, damage):
-    """A damaged plan is logged, removed, traced and saved again; never used. The rebuilt one serves."""
+    """A damaged plan is logged, removed, traced (the trace served from the backend's graph plan) and saved again;
+    never used. The rebuilt one serves."""
     _serve(_model(), tmp_path, compiler="eager")
     (plan,) = _plans(tmp_path)
     record = Path(f"{plan}.json")
@@ -165,8 +174,34 @@ def test_a_damaged_plan_is_rebuilt(tmp_path, caplog, damage):
         meta = json.loads(record.read_text())
         meta["sha256"] = hashlib.sha256(plan.read_bytes()).hexdigest()
         record.write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING), counters.expect(**FIRST):
-        _serve(_model(), tmp_path, compiler="eager")
+    with caplog.at_level(logging.WARNING), counters.expect(traces=1, plans_loaded=1, plans_saved=1, buckets_built=2,
+                                                           replays=3):  # fmt: skip
+        _serve(_model(), tmp_path, compiler="eager")  # traced again, served from the backend's graph plan
     assert "build plan" in caplog.text and "building it again" in caplog.text
     with counters.expect(**WARM):
         _serve(_model(), tmp_path, compiler="eager")
+
+
+def test_torch_compile_serves_a_trace_built_before_from_its_graph_plan(tmp_path):
+    """Through torch.compile dynamo traces in every process (before any backend runs); the backend serves a trace
+    it built before from the saved graph plan: no analyses, no rewrites, no compile, the parameters dynamo passes
+    bound, every call replayed and eager-equal, bad input refused as before."""
+    config = vgraph_compile.VGraphConfig(compiler="eager", artifact_dir=str(tmp_path), **OPTIONS)
+    model = _model()
+
+    def serve():
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=vgraph_compile.VGraphBackend(config), dynamic=True)
+        with torch.no_grad():
+            for lengths in ([5, 8], [30, 20], [3]):  # not 12 tokens first: they would share the width's symbol
+                inputs = pack_images(lengths, 12)
+                torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+            with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at the row"):
+                compiled(*BAD_CALLS["cu_seqlens ending short"]())
+
+    # 1 site; rewritten in the eager and compiled copies: its kernel and the 3 norms' eps (0-d inputs under plain
+    # torch.compile) = 2 * (1 + 3)
+    with counters.expect(traces=1, sites_found=1, nodes_rewritten=8, buckets_built=2, replays=3, plans_saved=1):
+        serve()
+    with counters.expect(traces=1, plans_loaded=1, buckets_built=2, replays=3):
+        serve()

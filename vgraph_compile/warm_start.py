@@ -16,6 +16,13 @@ parameter's and buffer's name, shape, strides, dtype, device and requires_grad),
 the config (all but ``artifact_dir``), dynamo's and inductor's configs, the torch version, the vgraph sources and
 the device. Never the weights: the plan binds the live module's tensors. A plan that cannot be loaded, or whose
 compiled artifact or module state is gone, is logged, removed and built again by tracing; never used.
+
+Through ``torch.compile(backend="vgraph")`` dynamo traces before it calls any backend, so a later process cannot
+skip that trace; the backend skips the rest. Each build also saves a ``GraphPlan`` (the spec and the build's
+record) under ``graph_key``: the hash of the traced graph's code and inputs (dtype, shape in the trace's symbols,
+strides, device), the analyses, the config, grad mode, dynamo's and inductor's configs, the torch version, the
+vgraph sources and the device. A later backend call on the same trace serves from it with no analyses, no
+rewrites and no compile, binding the parameters dynamo passes.
 """
 
 from __future__ import annotations
@@ -28,21 +35,22 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.fx
 
 from vgraph_compile.compile import artifacts
 from vgraph_compile.compile.build import BuildRecord, assemble
-from vgraph_compile.compile.inductor import load_compiled
+from vgraph_compile.compile.inductor import CompiledFn, load_compiled
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
-from vgraph_compile.spec import VarlenSpec
+from vgraph_compile.spec import PassContext, VarlenSpec
 
-__all__ = ["BuildPlan", "load", "plan_key", "save"]
+__all__ = ["BuildPlan", "GraphPlan", "graph_key", "load", "load_graph", "plan_key", "save", "save_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,14 @@ class BuildPlan:
     fingerprint: Any
     """The traced call's structure and specialized constants (``CallArguments.fingerprint``)."""
     outputs: OutputLayout
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What the backend needs, besides the compiled code, to serve a trace it built before; picklable."""
+
+    spec: VarlenSpec
+    record: BuildRecord
 
 
 def _plain(value: Any) -> bool:
@@ -122,25 +138,86 @@ def _call(value: Any) -> Any:
     return [type(value).__qualname__, repr(value)]
 
 
-def plan_key(target: Any, config: VGraphConfig, args: tuple, kwargs: dict) -> str | None:
-    """The key of the build plan of ``target`` first called with ``args`` and ``kwargs`` (the module docstring's
-    list); None when plans are off (no artifact directory) or the call has no tensor."""
-    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-    if not tensors or artifacts.artifact_dir(config) is None:
-        return None
-    parts = {
-        "module": _module(target),
-        "args": [_call(value) for value in args],
-        "kwargs": sorted([name, _call(value)] for name, value in kwargs.items()),
+def _environment(config: VGraphConfig, device: torch.device) -> dict[str, Any]:
+    """What both keys hash besides the encoder and its call: the config, grad mode, torch's configs, versions and
+    the device."""
+    return {
         "grad": torch.is_grad_enabled(),
         "config": repr(dataclasses.replace(config, artifact_dir=None)),
         "dynamo": artifacts.settings(torch._dynamo.config),
         "inductor": artifacts.settings(torch._inductor.config),
         "torch": torch.__version__,
         "vgraph": artifacts.sources_hash(),
-        "device": artifacts.device_name(tensors[0].device),
+        "device": artifacts.device_name(device),
     }
+
+
+def _hash(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def plan_key(target: Any, config: VGraphConfig, args: tuple, kwargs: dict) -> str | None:
+    """The key of the build plan of ``target`` first called with ``args`` and ``kwargs`` (the module docstring's
+    list); None when plans are off (no artifact directory) or the call has no tensor."""
+    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+    if not tensors or artifacts.artifact_dir(config) is None:
+        return None
+    return _hash({
+        "module": _module(target),
+        "args": [_call(value) for value in args],
+        "kwargs": sorted([name, _call(value)] for name, value in kwargs.items()),
+        **_environment(config, tensors[0].device),
+    })  # fmt: skip
+
+
+def graph_key(gm: torch.fx.GraphModule, ctx: PassContext, analyses: Sequence[tuple[str, Any]]) -> str | None:
+    """The key of the ``GraphPlan`` of the trace ``gm`` (the module docstring's list); None when plans are off."""
+    if artifacts.artifact_dir(ctx.config) is None:
+        return None
+    inputs = [
+        f"{artifacts.describe_input(value)} {getattr(value, 'requires_grad', '')}" for value in ctx.example_inputs
+    ]
+    return _hash({
+        "graph": gm.code,
+        "inputs": inputs,
+        "analyses": [name for name, _ in analyses],
+        **_environment(ctx.config, ctx.device),
+    })  # fmt: skip
+
+
+def save_graph(config: VGraphConfig, key: str, spec: VarlenSpec, record: BuildRecord) -> None:
+    """Save the ``GraphPlan`` of a build under ``key``, when its compiled code is on disk."""
+    if record.artifact_key is None and record.graph is None:
+        return
+    if artifacts.save_plan(artifacts.artifact_dir(config), key, GraphPlan(spec, record)):
+        counters.plans_saved += 1
+
+
+def load_graph(config: VGraphConfig, key: str) -> tuple[VarlenSpec, BuildRecord, CompiledFn] | None:
+    """The spec, build record and compiled code of the ``GraphPlan`` saved under ``key``; None when there is none
+    (or it is unusable: then logged and removed)."""
+    directory = artifacts.artifact_dir(config)
+    plan = artifacts.load_plan(directory, key)
+    if not isinstance(plan, GraphPlan):
+        if plan is not None:
+            artifacts.discard_plan(directory, key, f"holds a {type(plan).__name__}, not a graph plan")
+        return None
+    compiled = _compiled(config, plan.record)
+    if compiled is None:
+        artifacts.discard_plan(directory, key, f"needs the compiled artifact {plan.record.artifact_key}, which is gone")
+        return None
+    counters.plans_loaded += 1
+    log.info("vgraph: serving the trace from the graph plan %s (no analyses, no compile)", key)
+    return plan.spec, plan.record, compiled
+
+
+def _compiled(config: VGraphConfig, record: BuildRecord) -> CompiledFn | None:
+    """The compiled code a record names: its graph run as is, or its loaded artifact; None when that is gone."""
+    if record.graph is not None:
+        graph = record.graph
+        return lambda inputs: graph(*inputs)
+    loaded = load_compiled(config, record.artifact_key)
+    return loaded[0] if loaded is not None else None
 
 
 def _state(target: Any) -> dict[str, torch.Tensor]:
@@ -205,15 +282,10 @@ def load(
         artifacts.discard_plan(directory, key, f"reads module state the encoder no longer has ({missing[:3]})")
         return None
     record = plan.record
-    if record.graph is not None:
-        graph = record.graph
-        compiled = lambda inputs: graph(*inputs)  # noqa: E731
-    else:
-        loaded = load_compiled(config, record.artifact_key)
-        if loaded is None:
-            artifacts.discard_plan(directory, key, f"needs the compiled artifact {record.artifact_key}, which is gone")
-            return None
-        compiled = loaded[0]
+    compiled = _compiled(config, record)
+    if compiled is None:
+        artifacts.discard_plan(directory, key, f"needs the compiled artifact {record.artifact_key}, which is gone")
+        return None
     bound: list[Any] = [None] * len(plan.spec.inputs)
     for index, name in plan.state.items():
         bound[index] = state[name]

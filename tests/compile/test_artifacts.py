@@ -35,15 +35,15 @@ def _artifacts(directory: Path) -> list[Path]:
 
 
 # A first compile: 1 trace, 1 site, its kernel set in the eager and compiled copies (2 rewrites), 2 buckets, 3 calls,
-# and its build plan saved.
-FIRST = dict(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replays=3, plans_saved=1)
+# and 2 plans saved (the decorator's and the backend's graph plan).
+FIRST = dict(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replays=3, plans_saved=2)
 # Served from the saved plan and artifact: no trace, no compile.
 WARM = dict(plans_loaded=1, artifacts_loaded=1, buckets_built=2, replays=3)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage with its hash"])
 def test_a_corrupt_artifact_is_rebuilt(tmp_path, caplog, damage):
-    """A damaged artifact is logged, compiled again and saved again, with the plan that named it; never loaded."""
+    """A damaged artifact is logged, compiled again and saved again, with the plans that named it; never loaded."""
     _serve(tmp_path, seed=0)
     (binary,) = _artifacts(tmp_path)
     record = Path(f"{binary}.json")

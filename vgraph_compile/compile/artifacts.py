@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from vgraph_compile.config import VGraphConfig
 
 __all__ = [
-    "Artifact", "artifact_dir", "artifact_key", "available", "device_name", "discard_plan", "load", "load_plan", "save",
-    "save_plan", "settings",
+    "Artifact", "artifact_dir", "artifact_key", "available", "describe_input", "device_name", "discard_plan", "load",
+    "load_plan", "save", "save_plan", "settings",
     "sources_hash",
 ]
 
@@ -105,7 +105,8 @@ def settings(config: Any) -> list[str]:
     return sorted(lines)
 
 
-def _describe_input(value: Any) -> str:
+def describe_input(value: Any) -> str:
+    """A graph input as compiled code depends on it: a tensor's dtype, shape, strides and device; else its value."""
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {tuple(map(str, value.shape))} {tuple(map(str, value.stride()))} {value.device.type}"
     return f"{type(value).__name__} {value}"
@@ -118,7 +119,7 @@ def _constants(gm: torch.fx.GraphModule) -> list[str]:
         value = getattr(gm, node.target, None)
         if isinstance(value, torch.Tensor):
             data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            hashes.append(f"{node.target} {_describe_input(value)} {hashlib.sha256(data).hexdigest()}")
+            hashes.append(f"{node.target} {describe_input(value)} {hashlib.sha256(data).hexdigest()}")
     return hashes
 
 
@@ -127,7 +128,7 @@ def artifact_key(gm: torch.fx.GraphModule, ctx: PassContext) -> str:
     shape_env = ctx.shape_env
     parts = {
         "graph": gm.code,
-        "inputs": [_describe_input(example_value(node)) for node in gm.graph.find_nodes(op="placeholder")],
+        "inputs": [describe_input(example_value(node)) for node in gm.graph.find_nodes(op="placeholder")],
         "ranges": sorted(f"{symbol}: {bounds}" for symbol, bounds in shape_env.var_to_range.items()),
         "replacements": sorted(f"{symbol} = {value}" for symbol, value in shape_env.replacements.items()),
         "constants": _constants(gm),
