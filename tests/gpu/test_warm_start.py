@@ -81,7 +81,7 @@ def test_keyed_tower_calls_replay_with_staged_metadata_and_aligned_weights_held_
         with counters.expect(replays=4):
             outputs = [served(*inputs[index]) for index in (0, 1, 0, 1)]
         with routed_attention(tower):
-            references = [tower(*call) for call in inputs]
+            references = [tower(pixel_values, grid.cuda()) for pixel_values, grid in inputs]
     for index, out in zip((0, 1, 0, 1), outputs):
         torch.testing.assert_close(out.pooler_output, references[index].pooler_output, rtol=1e-4, atol=1e-4)
     down = tower.blocks[0].mlp.down_proj.weight
