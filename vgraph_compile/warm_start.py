@@ -196,19 +196,35 @@ def save_graph(config: VGraphConfig, key: str, spec: VarlenSpec, record: BuildRe
 def load_graph(config: VGraphConfig, key: str) -> tuple[VarlenSpec, BuildRecord, CompiledFn] | None:
     """The spec, build record and compiled code of the ``GraphPlan`` saved under ``key``; None when there is none
     (or it is unusable: then logged and removed)."""
-    directory = artifacts.artifact_dir(config)
-    plan = artifacts.load_plan(directory, key)
-    if not isinstance(plan, GraphPlan):
-        if plan is not None:
-            artifacts.discard_plan(directory, key, f"holds a {type(plan).__name__}, not a graph plan")
+    loaded = _load(config, key, GraphPlan)
+    if loaded is None:
         return None
-    compiled = _compiled(config, plan.record)
-    if compiled is None:
-        artifacts.discard_plan(directory, key, f"needs the compiled artifact {plan.record.artifact_key}, which is gone")
-        return None
-    counters.plans_loaded += 1
+    plan, compiled = loaded
     log.info("vgraph: serving the trace from the graph plan %s (no analyses, no compile)", key)
     return plan.spec, plan.record, compiled
+
+
+def _load(
+    config: VGraphConfig, key: str, kind: type, refusal: Callable[[Any], str | None] | None = None
+) -> tuple[Any, CompiledFn] | None:
+    """The plan of ``kind`` saved under ``key`` and the compiled code its record names; None when there is none,
+    and when it is of another kind, ``refusal`` gives a reason against it, or its compiled code is gone (then
+    logged and removed)."""
+    directory = artifacts.artifact_dir(config)
+    plan = artifacts.load_plan(directory, key)
+    if plan is None:
+        return None
+    why = None if isinstance(plan, kind) else f"holds a {type(plan).__name__}, not a {kind.__name__}"
+    if why is None and refusal is not None:
+        why = refusal(plan)
+    compiled = _compiled(config, plan.record) if why is None else None
+    if why is None and compiled is None:
+        why = f"needs the compiled artifact {plan.record.artifact_key}, which is gone"
+    if why is not None:
+        artifacts.discard_plan(directory, key, why)
+        return None
+    counters.plans_loaded += 1
+    return plan, compiled
 
 
 def _compiled(config: VGraphConfig, record: BuildRecord) -> CompiledFn | None:
@@ -270,22 +286,17 @@ def load(
 ) -> tuple[VGraphRuntime, CallArguments, OutputLayout] | None:
     """The runtime, argument readers and output layout of the plan saved under ``key``, over the live module's
     tensors; None when there is none (or it is unusable: then logged and removed)."""
-    directory = artifacts.artifact_dir(config)
-    plan = artifacts.load_plan(directory, key)
-    if not isinstance(plan, BuildPlan):
-        if plan is not None:
-            artifacts.discard_plan(directory, key, f"holds a {type(plan).__name__}, not a build plan")
-        return None
     state = _state(target)
-    missing = sorted(name for name in plan.state.values() if name not in state)
-    if missing:
-        artifacts.discard_plan(directory, key, f"reads module state the encoder no longer has ({missing[:3]})")
+
+    def refusal(plan: BuildPlan) -> str | None:
+        missing = sorted(name for name in plan.state.values() if name not in state)
+        return f"reads module state the encoder no longer has ({missing[:3]})" if missing else None
+
+    loaded = _load(config, key, BuildPlan, refusal)
+    if loaded is None:
         return None
+    plan, compiled = loaded
     record = plan.record
-    compiled = _compiled(config, record)
-    if compiled is None:
-        artifacts.discard_plan(directory, key, f"needs the compiled artifact {record.artifact_key}, which is gone")
-        return None
     bound: list[Any] = [None] * len(plan.spec.inputs)
     for index, name in plan.state.items():
         bound[index] = state[name]
@@ -297,6 +308,5 @@ def load(
     runtime = VGraphRuntime(encoder, checks, torch.device(plan.device), fixed)
     arguments = CallArguments.over(forward, plan.paths, fixed)
     arguments.fingerprint = plan.fingerprint
-    counters.plans_loaded += 1
     log.info("vgraph: serving from the build plan %s (no trace, no compile)", key)
     return runtime, arguments, plan.outputs
