@@ -7,19 +7,24 @@ library functions of each phase timed where they are called):
 - analyses: ``analyze`` (sites, roles, bounds);
 - kernel_timing: ``choose_kernels`` (``attention_backend="auto"``);
 - compile: ``compile_once`` (inductor's compile, or the load of a saved artifact);
+- plan_load: ``warm_start.load`` (a saved build plan and its compiled artifact: no trace, no compile);
 - capture: ``capture`` (every bucket's CUDA graph);
-- trace: the rest (dynamo's trace, rewrites, buffer allocation, the tower's own Python).
+- trace: the rest (dynamo's trace, rewrites, buffer allocation, learning the tower's interface, its own Python).
 
 Then peak memory (allocated and reserved, after warm-up and the two host cases), the tower's weights, the graph
-pool, and host time per call (call to return, GPU idle before each) of 1x224^2 and 1x1344^2.
+pool, and host time per call (call to return, GPU idle before each) of 1x224^2 and 1x1344^2. With ``--profile``,
+the warm process also profiles each case's host path (cProfile over 200 calls, GPU idle before each) and reports
+the functions that take the most host time per call.
 
-    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import pstats
 import json
 import os
 import subprocess
@@ -48,11 +53,29 @@ def _timed(module, name: str, phases: dict[str, float], phase: str) -> None:
     setattr(module, name, wrapper)
 
 
-def one_start(tower_kind: str, resize: dict) -> dict:
+def _profile(fn, calls: int, device: str) -> list[str]:
+    """The 12 functions with the most own host time per call of ``fn`` (GPU idle before each call)."""
+    profile = cProfile.Profile()
+    for _ in range(calls):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        profile.enable()
+        fn()
+        profile.disable()
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:12]
+    return [
+        f"{1e6 * own / calls:8.1f} us own, {calls_made / calls:5.1f} calls: {name} ({os.path.basename(path)}:{line})"
+        for (path, line, name), (_, calls_made, own, _, _) in rows
+    ]
+
+
+def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
     """One process's start of ``tower_kind``: total and phases, memory, host time per call."""
     import vgraph_compile.compile.buckets as buckets
     import vgraph_compile.compile.build as build
     import vgraph_compile.compile_backend as compile_backend
+    import vgraph_compile.warm_start as warm_start
     from vgraph_compile.bench.timing import host_ms_per_call
     from vgraph_compile.bench.workload import CASES_PX, to_grid
     from vgraph_compile.counters import counters
@@ -65,6 +88,7 @@ def one_start(tower_kind: str, resize: dict) -> dict:
     _timed(build, "choose_kernels", phases, "kernel_timing")
     _timed(build, "compile_once", phases, "compile")
     _timed(buckets, "capture", phases, "capture")
+    _timed(warm_start, "load", phases, "plan_load")
     model = qwen_tower(tower_kind, device=device, dtype=torch.bfloat16, **resize)
     config = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -81,7 +105,7 @@ def one_start(tower_kind: str, resize: dict) -> dict:
     phases["trace"] = total - sum(phases.values())
 
     width = config.in_channels * config.temporal_patch_size * config.patch_size**2
-    host_ms = {}
+    host_ms, profiles = {}, {}
     with torch.inference_mode():
         for case in ("1x224^2", "1x1344^2"):
             grid_thw = torch.tensor(
@@ -90,6 +114,8 @@ def one_start(tower_kind: str, resize: dict) -> dict:
             x = torch.randn(int(grid_thw.prod(-1).sum()), width, device=device, dtype=torch.bfloat16)
             host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
             host_ms[case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
+            if profile:
+                profiles[case] = _profile(lambda: tower(x, grid_thw), 200, device)
     report = {
         "start_s": round(total, 2),
         "phases_s": {name: round(seconds, 2) for name, seconds in phases.items()},
@@ -97,6 +123,8 @@ def one_start(tower_kind: str, resize: dict) -> dict:
         "host_ms": host_ms,
         "counters": {name: value for name, value in counters.snapshot().items() if value},
     }
+    if profiles:
+        report["host_profile"] = profiles
     if device == "cuda":
         report |= {
             "device": torch.cuda.get_device_name(),
@@ -113,11 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", required=True, help="a directory per tower is made under it (must be new)")
     parser.add_argument("--resize", default="{}", help="config fields as JSON, for a small dry run")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     resize = json.loads(args.resize)
     if args.one:
-        print(json.dumps(one_start(args.towers[0], resize)))
+        print(json.dumps(one_start(args.towers[0], resize, args.profile)))
         return {}
     report = {"torch": torch.__version__, "towers": {}}
     for kind in args.towers:
@@ -127,11 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
         environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": directory}
         environment.pop("VGRAPH_ARTIFACT_DIR", None)
         starts = []
-        for _ in ("cold", "warm"):
-            child = subprocess.run(
-                [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize],
-                capture_output=True, text=True, env=environment,
-            )  # fmt: skip
+        for start in ("cold", "warm"):
+            command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
+            if args.profile and start == "warm":
+                command.append("--profile")
+            child = subprocess.run(command, capture_output=True, text=True, env=environment)
             if child.returncode != 0:
                 raise SystemExit(f"{kind}: the start failed:\n{child.stderr[-4000:]}")
             starts.append(json.loads(child.stdout.strip().splitlines()[-1]))
@@ -145,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             "peak_warm_allocated_gib": warm.get("peak_allocated_gib"),
             "host_ms": warm["host_ms"],
             "counters": {"cold": cold["counters"], "warm": warm["counters"]},
+            **({"host_profile": warm["host_profile"]} if "host_profile" in warm else {}),
         }
         print(json.dumps({kind: report["towers"][kind]}), flush=True)
         if args.json:  # after each tower, so a run cut short keeps the towers done

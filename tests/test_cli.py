@@ -47,17 +47,18 @@ def test_explain_encoders_whose_tokens_are_sums(capsys, factory, tokens, bucket)
 
 
 def test_precompile_saves_an_artifact_a_later_start_loads(tmp_path, capsys):
-    """precompile compiles and saves; a second precompile of the same factory and options loads it (no compile)."""
+    """precompile compiles and saves; a second precompile of the same factory and options serves from what was
+    saved (no trace, no compile)."""
     from vgraph_compile.counters import counters
 
     argv = ["precompile", f"{EXAMPLES}:cls_vit", "--artifact-dir", str(tmp_path)]
     argv += ["--options", '{"token_budgets": [64, 128], "max_segments": 4, "attention_backend": "sdpa"}']
-    with counters.expect(traces=1, sites_found=2, nodes_rewritten=4, compiles=1, artifacts_saved=1, buckets_built=2,
-                         replays=1):  # fmt: skip
+    with counters.expect(traces=1, sites_found=2, nodes_rewritten=4, compiles=1, artifacts_saved=1, plans_saved=2,
+                         buckets_built=2, replays=1):  # fmt: skip
         main(argv)
-    assert capsys.readouterr().out.strip().endswith("saved (1 compiled encoder(s))")
-    assert len(list(tmp_path.glob("*.bin"))) == 1
+    assert ": saved (build plan and compiled encoder" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("*.bin"))) == 1 and len(list(tmp_path.glob("*.plan"))) == 2
     torch._dynamo.reset()
-    with counters.expect(traces=1, sites_found=2, nodes_rewritten=4, artifacts_loaded=1, buckets_built=2, replays=1):
+    with counters.expect(plans_loaded=1, artifacts_loaded=1, buckets_built=2, replays=1):
         main(argv)
-    assert capsys.readouterr().out.strip().endswith("already saved (1 compiled encoder(s))")
+    assert ": already saved (build plan and compiled encoder" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """``vgraph explain``: the bucket x bound table of a geometry and its sympy derivation; with ``--module``, also
 the input roles the backend discovers in an encoder. ``vgraph precompile``: compile an encoder ahead of time and
-save the compiled artifact (``compile/artifacts``) that a later process, or a container image, starts from.
+save the compiled artifact and build plan (``compile/artifacts``, ``warm_start``) that a later process, or a
+container image, starts from with no trace and no compile.
 
     vgraph explain --patch-size 14 --window-size 112 --budgets 1024 4096 16384 --max-items 8
     vgraph explain ... --module vgraph_compile.models.examples:windowed_vit
@@ -49,8 +50,9 @@ def _factory(spec: str):
 
 
 def precompile(args: argparse.Namespace) -> str:
-    """Compile ``module:factory``'s encoder with the options its server uses (the artifact is keyed on them, so
-    serve with the same options through ``vgraph_compile.encoder``) and save the compiled artifact."""
+    """Compile ``module:factory``'s encoder with the options its server uses (the artifacts are keyed on them and
+    on the first call's structure, so serve with the same options and inputs of the same kind through
+    ``vgraph_compile.encoder``) and save the compiled artifact and build plan."""
     import torch
 
     import vgraph_compile
@@ -67,11 +69,14 @@ def precompile(args: argparse.Namespace) -> str:
     compiled = vgraph_compile.encoder(encoder, **options)
     with torch.no_grad():
         compiled(*example_args)
-    saved = counters.artifacts_saved - before["artifacts_saved"]
-    loaded = counters.artifacts_loaded - before["artifacts_loaded"]
-    if not saved and not loaded:
-        raise SystemExit("vgraph precompile: nothing was saved (see the warnings above)")
-    return f"{args.factory}: {'saved' if saved else 'already saved'} ({saved + loaded} compiled encoder(s))"
+    moved = {name: value - before[name] for name, value in counters.snapshot().items()}
+    if moved["plans_saved"] or moved["plans_loaded"]:
+        done = "saved" if moved["plans_saved"] else "already saved"
+        return f"{args.factory}: {done} (build plan and compiled encoder: later starts neither trace nor compile)"
+    if moved["artifacts_saved"] or moved["artifacts_loaded"]:
+        done = "saved" if moved["artifacts_saved"] else "already saved"
+        return f"{args.factory}: {done} (compiled encoder only, no build plan: later starts trace, see the log)"
+    raise SystemExit("vgraph precompile: nothing was saved (see the warnings above)")
 
 
 def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace) -> str:

@@ -6,7 +6,9 @@ runtimes it built (``vgraph_compile.encoder`` uses it).
 
 Inside dynamo's call of the backend, in order: the analyses (a bad encoder or budget fails here), the checks of
 the call being traced (bad input is refused before anything compiles), and the build (rewrites and one inductor
-compile for every bucket). The build runs here, not later: aot_autograd and inductor signal dynamo to trace again
+compile for every bucket). A trace built before, in this process or an earlier one, is served from its saved
+graph plan instead: its checks rebuilt from the saved spec, no analyses, no rewrites, no compile
+(``vgraph_compile/warm_start``). The build runs here, not later: aot_autograd and inductor signal dynamo to trace again
 (``TensorifyScalarRestartAnalysis``, recompiles) by raising, and only dynamo's call of the backend catches those.
 The returned ``VGraphRuntime`` captures the buckets' CUDA graphs at its first call (captures raise no such signal).
 
@@ -29,12 +31,14 @@ from torch._guards import detect_fake_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vgraph_compile.analyze import ANALYSES, Analyses, analyze
-from vgraph_compile.compile.build import build
+from vgraph_compile import warm_start
+from vgraph_compile.compile.build import assemble, build
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
+from vgraph_compile.serve.arguments import argument_rooted
 from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
-from vgraph_compile.spec import PassContext, StaticTokensError, user_name
+from vgraph_compile.spec import PassContext, Role, StaticTokensError, user_name
 from vgraph_compile.symbolic import evaluate, traced_values
 
 __all__ = ["vgraph_backend", "VGraphBackend", "runtimes", "cudnn_attention"]
@@ -145,21 +149,40 @@ class VGraphBackend:
             config=self.config,
             device=_device(example_inputs),
         )
-        try:
-            analyze(gm, ctx, self.analyses)
-        except StaticTokensError as error:
-            return self._static_trace(gm, str(error))
-        checks = CallChecks(ctx)
-        checks.check(_first_call(example_inputs, ctx.shape_env))
-        with contextlib.nullcontext() if self.cudnn_attention is None else cudnn_attention(self.cudnn_attention):
-            encoder = build(gm, ctx)
+        key = warm_start.graph_key(gm, ctx, self.analyses)
+        loaded = warm_start.load_graph(self.config, key) if key is not None else None
+        if loaded is not None:
+            spec, record, compiled = loaded
+            checks = CallChecks(spec, self.config, record.layout.copied)
+            checks.check(_first_call(example_inputs, ctx.shape_env))
+            state = [value if role.role is Role.PARAMETER else None for role, value in zip(spec.inputs, example_inputs)]
+            encoder = assemble(spec, record, compiled, state)
+        else:
+            try:
+                analyze(gm, ctx, self.analyses)
+            except StaticTokensError as error:
+                return self._static_trace(gm, str(error))
+            checks = CallChecks.from_context(ctx)
+            checks.check(_first_call(example_inputs, ctx.shape_env))
+            with contextlib.nullcontext() if self.cudnn_attention is None else cudnn_attention(self.cudnn_attention):
+                encoder = build(gm, ctx)
+            if key is not None:
+                warm_start.save_graph(self.config, key, ctx.spec, encoder.record)
         counters.traces += 1
         self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
-        runtime = VGraphRuntime(encoder, checks, ctx, sources, self.keep_first_outputs)
+        fixed = [
+            None if source is not None and argument_rooted(source) else value
+            for source, value in zip(sources, ctx.example_inputs)
+        ]
+        runtime = VGraphRuntime(encoder, checks, ctx.device, fixed, sources, self.keep_first_outputs)
+        self.adopt(runtime)
+        return runtime
+
+    def adopt(self, runtime: VGraphRuntime) -> None:
+        """Keep ``runtime`` with this backend's (a runtime this backend built, or one assembled from a saved plan)."""
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
-        return runtime
 
 
 @contextlib.contextmanager

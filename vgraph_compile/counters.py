@@ -30,6 +30,10 @@ class Counters:
     """Compiled encoders saved for later processes (``compile/artifacts``)."""
     artifacts_loaded: int = 0
     """Compiled encoders loaded from a saved artifact instead of compiled (no inductor compile)."""
+    plans_saved: int = 0
+    """Build plans saved for later processes (``vgraph_compile/warm_start``)."""
+    plans_loaded: int = 0
+    """Encoders served from a saved build plan: no trace, no analyses, no compile."""
     buckets_built: int = 0
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0

@@ -7,6 +7,10 @@ graph's inputs (``serve/arguments``) and the runtime validates, fills, replays a
 cannot tell apart without a retrace (another argument structure, another specialized constant) goes through
 dynamo again. A call with autograd enabled on trainable parameters or inputs runs the encoder as written.
 The returned callable exposes ``.vgraph`` (the backend, with its runtimes and their stats).
+
+Warm start: the first call first looks for a build plan saved by an earlier process for the same encoder, config
+and call structure (``vgraph_compile.warm_start``) and, with one, serves from it with no trace and no compile.
+After a first trace the plan is saved for later processes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.runtime import VGraphRuntime
+from vgraph_compile import warm_start
 
 __all__ = ["encoder", "trace_options", "CompiledEncoderFunction"]
 
@@ -53,16 +58,18 @@ def trace_options(args: tuple = ()) -> contextlib.ExitStack:
 
 
 class _HotPath:
-    """One runtime called straight from the encoder's arguments."""
+    """One runtime called straight from the encoder's arguments, past dynamo's guards: the aligned parameters
+    padded past their first dim become views of the graphs' tensors too (``CompiledEncoder.share_strided``)."""
 
     def __init__(self, runtime: VGraphRuntime, arguments: CallArguments, layout: OutputLayout) -> None:
         self.runtime, self.arguments, self.layout = runtime, arguments, layout
+        runtime.encoder.share_strided()
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, args: tuple, kwargs: dict, key: Any = None) -> Any:
         inputs = self.arguments.read(args, kwargs)
         if inputs is None:
             return NotImplemented
-        return self.layout.build(self.runtime(*inputs))
+        return self.layout.build(self.runtime(*inputs, key=key))
 
 
 class CompiledEncoderFunction:
@@ -78,6 +85,9 @@ class CompiledEncoderFunction:
         """Whether the module has parameters that require grad (read on the first call with grad enabled)."""
         self._trace_lock = threading.Lock()
         self._warned_limit = False
+        self._plan_key: str | None = None
+        """The key of this encoder's build plan, computed at its first call (``warm_start.plan_key``)."""
+        self._first_call = True
         functools.update_wrapper(self, self._forward)
 
     @property
@@ -97,15 +107,26 @@ class CompiledEncoderFunction:
         return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_keyed(None, *args, **kwargs)
+
+    def call_keyed(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        """A call where ``key`` (hashable; None: no promise) promises that every argument but the token rows
+        equals that of any earlier call with the same key, so the graphs' metadata buffers are filled by one copy
+        of what that call staged (``VGraphRuntime``). The HF towers key their calls by the grid."""
         if self._needs_autograd(args, kwargs):
             return self.target(*args, **kwargs)
         hot = self._hot
         if hot is not None:
-            result = hot(args, kwargs)
+            result = hot(args, kwargs, key)
             if result is not NotImplemented:
                 return result
         with self._trace_lock:
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
+            if self._first_call:
+                self._first_call = False
+                result = self._warm_start(args, kwargs)
+                if result is not NotImplemented:
+                    return result
             try:
                 with trace_options(args):
                     result = self._compiled(*args, **kwargs)
@@ -117,7 +138,26 @@ class CompiledEncoderFunction:
                 return self._over_recompile_limit(args, kwargs)
             if self._hot is None and self.vgraph.runtimes:  # the runtime that served this call's trace
                 self._hot = self._hot_path(self.vgraph.runtimes[-1], args, kwargs, result)
+                if self._hot is not None and self._plan_key is not None:
+                    hot = self._hot
+                    warm_start.save(self.vgraph.config, self._plan_key, self.target, hot.runtime, hot.arguments,
+                                    hot.layout)  # fmt: skip
         return result
+
+    def _warm_start(self, args: tuple, kwargs: dict) -> Any:
+        """Serve the first call from a saved build plan, when there is one; NotImplemented otherwise (the call
+        traces, and the plan is saved under the key computed here)."""
+        config = self.vgraph.config
+        self._plan_key = warm_start.plan_key(self.target, config, args, kwargs)
+        if self._plan_key is None:
+            return NotImplemented
+        loaded = warm_start.load(config, self._plan_key, self.target, self._forward)
+        if loaded is None:
+            return NotImplemented
+        runtime, arguments, layout = loaded
+        self.vgraph.adopt(runtime)
+        self._hot = _HotPath(runtime, arguments, layout)
+        return self._hot(args, kwargs)
 
     def _over_recompile_limit(self, args: tuple, kwargs: dict) -> Any:
         """Dynamo refuses another trace of this forward (its recompile limit): run it as written, counted."""

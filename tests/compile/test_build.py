@@ -1,4 +1,6 @@
-"""The build's parameter binding: aligned weights share the module's storage where the module's strides allow."""
+"""The build's parameter binding: aligned weights share the module's storage (row-padded ones as contiguous
+views; column-padded ones as strided views once the decorator serves past dynamo's guards, a copy for plain
+torch.compile, whose guards read the strides)."""
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from vgraph_compile.models.packed_vit import pack_images
 
 ROW_PADDED = ("gate.weight", "gate.bias", "up.weight", "up.bias")
 """Producers of the 60-wide region: padded along their first dim to 64, so their block is a contiguous view."""
+COLUMN_PADDED = "down.weight"
+"""The consumer: padded along its columns to 64, its block a view with row stride 64."""
 
 
 def _compile(model, **options):
@@ -37,21 +41,44 @@ def aligned():
     return model, before, _compile(model, compiler="eager")
 
 
-def test_row_padded_parameters_share_the_modules_storage(aligned):
-    """gate and up (weights and biases) are views of the padded tensors the graphs read: one copy of them. down,
-    padded along its columns, stays a copy (a view would change its strides, which dynamo guards)."""
+def test_aligned_parameters_share_the_modules_storage(aligned):
+    """gate and up (weights and biases) are contiguous views of the padded tensors the graphs read, and down a
+    strided view of its column-padded one: every weight is held once, at the module's own shapes and values."""
     model, before, compiled = aligned
     bound = _bound(compiled)
     parameters = dict(model.named_parameters())
-    for name in ROW_PADDED:
+    for name in (*ROW_PADDED, COLUMN_PADDED):
         parameter = parameters[name]
         padded = bound[parameter.untyped_storage().data_ptr()]
+        dim = int(name == COLUMN_PADDED)
         assert parameter.data_ptr() == padded.data_ptr() and parameter.shape == before[name].shape, name
-        assert padded.shape[0] == 64 and padded[60:].eq(0).all(), name
-        assert parameter.is_contiguous() and torch.equal(parameter, before[name]), name
-    down = parameters["down.weight"]
-    assert down.untyped_storage().data_ptr() not in bound and down.is_contiguous()
+        assert padded.shape[dim] == 64 and padded.narrow(dim, 60, 4).eq(0).all(), name
+        assert torch.equal(parameter, before[name]), name
+        assert parameter.is_contiguous() == (name != COLUMN_PADDED), name
+    assert parameters[COLUMN_PADDED].stride() == (64, 1)
     assert {tuple(value.shape) for value in bound.values()} >= {(64, 16), (64,), (16, 64)}
+
+
+def test_plain_torch_compile_keeps_the_column_padded_weight_a_copy():
+    """Through torch.compile(backend=...) every call passes dynamo's guards on the parameters' strides: down keeps
+    its own contiguous storage, and a second call replays with no new trace."""
+    torch.manual_seed(0)
+    model = GatedBlock().double().eval()
+    config = vgraph_compile.VGraphConfig(
+        token_budgets=(16, 64), max_segments=4, attention_backend="sdpa", align_matmuls=True, compiler="eager"
+    )
+    backend = vgraph_compile.VGraphBackend(config)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    # 1 site: its kernel set in the eager and compiled copies, plus 1 aligned region: 3 nodes rewritten.
+    with torch.no_grad(), counters.expect(traces=1, sites_found=1, nodes_rewritten=3, buckets_built=2, replays=2):
+        for lengths in ([5, 7], [9, 2]):
+            inputs = pack_images(lengths, 16, dtype=torch.float64)
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-12, atol=1e-12)
+    assert model.down.weight.is_contiguous() and model.gate.weight.is_contiguous()
+    storages = {value.untyped_storage().data_ptr() for value in backend.runtimes[0].buckets[0].inputs if
+                isinstance(value, torch.Tensor)}  # fmt: skip
+    assert model.down.weight.untyped_storage().data_ptr() not in storages
+    assert model.gate.weight.untyped_storage().data_ptr() in storages
 
 
 def test_state_dict_round_trips_and_eager_is_unchanged(aligned):
@@ -75,17 +102,17 @@ def test_state_dict_round_trips_and_eager_is_unchanged(aligned):
 
 
 def test_loaded_weights_reach_the_graphs(aligned):
-    """load_state_dict writes into the shared storage: the graphs compute with the new gate and up weights (no
-    retrace, no new buffers), and the padding stays zero."""
+    """load_state_dict writes into the shared storage: the graphs compute with the new weights, down's strided
+    view included (no retrace, no new buffers), and the padding stays zero."""
     model, _, compiled = aligned
     torch.manual_seed(1)
     other = GatedBlock().double().eval()
-    other.down.load_state_dict(model.down.state_dict())  # down is a copy in the graphs: keep it
     model.load_state_dict(other.state_dict())
     inputs = pack_images([6, 2], 16, dtype=torch.float64)
     with torch.no_grad(), counters.expect(replays=1):
         torch.testing.assert_close(compiled(*inputs), other(*inputs), rtol=1e-12, atol=1e-12)
     assert all(padded[60:].eq(0).all() for padded in _bound(compiled).values() if padded.shape[0] == 64)
+    assert _bound(compiled)[model.down.weight.untyped_storage().data_ptr()][:, 60:].eq(0).all()
 
 
 INDUCTOR_MODEL = None

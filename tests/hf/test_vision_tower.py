@@ -196,3 +196,25 @@ def test_a_keyword_is_dropped_only_when_it_asks_for_what_the_traced_call_did():
     assert not asks_nothing(defaults, "scale", 2.0)
     assert not asks_nothing(defaults, "output_router_logits", True)
     assert not asks_nothing(defaults, "grid_thw", False)  # a parameter without a default
+
+
+def test_a_later_compile_of_the_tower_serves_from_its_saved_plan(towers, tmp_path):
+    """compile_vision_tower of the same tower in a fresh dynamo state (as a new process) with the same artifact
+    directory: the warm-up serves from the plan the first compile saved (no trace), every call is a replay equal
+    to the stock tower, and bad input is refused as before."""
+    tower = towers["qwen2.5-vl"]
+    options = dict(token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa")
+    pixel_values, grid_thw = _inputs(tower, [(1, 8, 12), (2, 4, 4)])
+    with torch.no_grad():
+        with routed_attention(tower):
+            ref = tower(pixel_values, grid_thw)
+        torch._dynamo.reset()
+        # the decorator's plan and the backend's graph plan saved; the warm-up and the call replayed
+        with counters.expect(traces=1, sites_found=2, nodes_rewritten=4, buckets_built=2, plans_saved=2, replays=2):
+            compile_vision_tower(tower, artifact_dir=str(tmp_path), **options)(pixel_values, grid_thw)
+        torch._dynamo.reset()
+        warm = compile_vision_tower(tower, artifact_dir=str(tmp_path), **options)
+        with counters.expect(plans_loaded=1, buckets_built=2, replays=2):
+            _assert_same(warm(pixel_values, grid_thw), ref)
+        with pytest.raises(ValueError, match="pixel_values has 96 rows but grid_thw describes"):
+            warm(pixel_values[:96], grid_thw)

@@ -227,6 +227,30 @@ def test_window_attention_encoder_matches_eager(windowed, grid):
     assert (changes["replays"], changes["eager_fallbacks"]) == (int(fits), int(not fits)), changes
 
 
+def test_keyed_calls_take_their_metadata_from_the_bytes_staged_at_the_keys_first_call(windowed):
+    """Calls keyed by their grid: each key's first call fills by the rules and stages its bucket's metadata region
+    (cu_seqlens, window offsets, window index); a later call with the key, after another grid's call and with the
+    region poisoned, takes the staged bytes in one copy: real rows equal eager, every call a replay."""
+    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
+
+    model, compiled = windowed
+    grids = {"two images": ((1, 8, 12), (1, 4, 4)), "one image": ((1, 8, 8),)}
+    inputs = {name: windowed_inputs(QWEN25_GEOMETRY, list(grid), 12) for name, grid in grids.items()}
+    with torch.no_grad():
+        compiled(*windowed_inputs(QWEN25_GEOMETRY, [(1, 4, 8)], 12))  # traced here when this test runs alone
+    with torch.no_grad(), counters.expect(replays=5):
+        for name in ("two images", "one image", "two images", "one image"):
+            out = compiled.call_keyed(grids[name], *inputs[name])
+            torch.testing.assert_close(out, model(*inputs[name]), rtol=1e-5, atol=1e-5)
+        runtime = compiled.vgraph.runtimes[0]
+        assert sorted(key for key, _ in runtime._staged) == sorted(grids.values())
+        for bucket in runtime.buckets:
+            bucket.region.fill_(0xF9)  # -7 in every int32 entry, and in the window index
+        out = compiled.call_keyed(grids["two images"], *inputs["two images"])
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, model(*inputs["two images"]), rtol=1e-5, atol=1e-5)
+
+
 class PackedInput(torch.nn.Module):
     """A model that builds FlashInfer's packed offsets itself and passes them in (as vLLM's Qwen2.5-VL does)."""
 

@@ -1,15 +1,19 @@
-"""Saved compiled graphs: a second process loads the inductor compile of an encoder instead of compiling it.
+"""Saved builds: a second process loads an encoder's inductor compile, and its build plan, instead of making them.
 
 An artifact is ``torch._inductor.standalone_compile``'s ``CompiledArtifact`` (the compiled code and what loading it
-needs), saved as ``<key>.bin`` in the artifact directory, with ``<key>.json`` beside it: the key, the SHA-256 of the
-``.bin`` and the budgets the compiled code serves (``compile/inductor``'s guard checks, made at the compile).
+needs), saved as ``<key>.bin`` in the artifact directory, with ``<key>.bin.json`` beside it: the key, the SHA-256
+of the ``.bin`` and the budgets the compiled code serves (``compile/inductor``'s guard checks, made at the
+compile). A build plan (``vgraph_compile/warm_start``: what serving needs besides the compiled code) is pickled as
+``<key>.plan`` with its ``<key>.plan.json`` record, under the plan's own key.
 
 Invariant: an artifact is used only for a compile that would produce it. The key hashes everything that changes
 the compiled code: the rewritten graph's code, each input's dtype, shape (in the trace's symbols), strides and
 device, the symbols' ranges, every tensor constant's bytes, the config (all but ``artifact_dir``), the attention
 kernels chosen, the inductor config, the torch version, the vgraph sources and the device (its name and compute
 capability on CUDA). Never the weights: parameters are graph inputs, read at every call. A file whose bytes do not
-match its ``.json``, or that torch cannot load, is logged, removed and compiled again; never used.
+match its record, that was saved under another key, or that cannot be loaded, is logged, removed and built
+again; never used. The files are trusted as inductor's own cache is (a plan is a pickle): keep the directory
+writable by its owner only.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx
@@ -30,7 +35,14 @@ import torch.fx
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.spec import PassContext
 
-__all__ = ["Artifact", "artifact_dir", "artifact_key", "available", "load", "save"]
+if TYPE_CHECKING:
+    from vgraph_compile.config import VGraphConfig
+
+__all__ = [
+    "Artifact", "artifact_dir", "artifact_key", "available", "describe_input", "device_name", "discard_plan", "load",
+    "load_plan", "save", "save_plan", "settings",
+    "sources_hash",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +62,9 @@ def available() -> bool:
     return hasattr(torch._inductor, "standalone_compile") and hasattr(torch._inductor, "CompiledArtifact")
 
 
-def artifact_dir(ctx: PassContext) -> Path | None:
-    """Where this encoder's artifacts live; None when saving and loading are off."""
-    configured = ctx.config.artifact_dir
+def artifact_dir(config: "VGraphConfig") -> Path | None:
+    """Where an encoder's artifacts live; None when saving and loading are off."""
+    configured = config.artifact_dir
     if configured is None:
         configured = os.environ.get(ENVIRONMENT_VARIABLE)
     if configured is None:
@@ -63,7 +75,7 @@ def artifact_dir(ctx: PassContext) -> Path | None:
 
 
 @functools.cache
-def _sources_hash() -> str:
+def sources_hash() -> str:
     """The vgraph sources: a change to any pass or kernel may change the compiled code."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
@@ -73,14 +85,28 @@ def _sources_hash() -> str:
     return digest.hexdigest()
 
 
-def _device(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """The device as far as compiled code depends on it: its type, and on CUDA its name and compute capability."""
     if device.type != "cuda":
         return device.type
     index = device.index if device.index is not None else torch.cuda.current_device()
     return f"{torch.cuda.get_device_name(index)} sm{''.join(map(str, torch.cuda.get_device_capability(index)))}"
 
 
-def _describe_input(value: Any) -> str:
+def settings(config: Any) -> list[str]:
+    """A torch config module's settings as sorted text: sets sorted (their order changes per process), callables
+    left out (their addresses do too)."""
+    lines = []
+    for name, value in config.get_config_copy().items():
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value, key=repr)
+        if not name.startswith("_") and " at 0x" not in repr(value):
+            lines.append(f"{name}={value!r}")
+    return sorted(lines)
+
+
+def describe_input(value: Any) -> str:
+    """A graph input as compiled code depends on it: a tensor's dtype, shape, strides and device; else its value."""
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {tuple(map(str, value.shape))} {tuple(map(str, value.stride()))} {value.device.type}"
     return f"{type(value).__name__} {value}"
@@ -93,7 +119,7 @@ def _constants(gm: torch.fx.GraphModule) -> list[str]:
         value = getattr(gm, node.target, None)
         if isinstance(value, torch.Tensor):
             data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            hashes.append(f"{node.target} {_describe_input(value)} {hashlib.sha256(data).hexdigest()}")
+            hashes.append(f"{node.target} {describe_input(value)} {hashlib.sha256(data).hexdigest()}")
     return hashes
 
 
@@ -102,20 +128,16 @@ def artifact_key(gm: torch.fx.GraphModule, ctx: PassContext) -> str:
     shape_env = ctx.shape_env
     parts = {
         "graph": gm.code,
-        "inputs": [_describe_input(example_value(node)) for node in gm.graph.find_nodes(op="placeholder")],
+        "inputs": [describe_input(example_value(node)) for node in gm.graph.find_nodes(op="placeholder")],
         "ranges": sorted(f"{symbol}: {bounds}" for symbol, bounds in shape_env.var_to_range.items()),
         "replacements": sorted(f"{symbol} = {value}" for symbol, value in shape_env.replacements.items()),
         "constants": _constants(gm),
         "config": repr(dataclasses.replace(ctx.config, artifact_dir=None)),
         "kernels": sorted(ctx.kernels.items()),
-        "inductor": sorted(
-            f"{name}={value!r}"
-            for name, value in torch._inductor.config.get_config_copy().items()
-            if " at 0x" not in repr(value)  # a callable's address changes per process
-        ),
+        "inductor": settings(torch._inductor.config),
         "torch": torch.__version__,
-        "vgraph": _sources_hash(),
-        "device": _device(ctx.device),
+        "vgraph": sources_hash(),
+        "device": device_name(ctx.device),
     }
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
@@ -124,46 +146,83 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _discard(paths: list[Path], why: str) -> None:
-    log.warning("vgraph: compiled artifact %s %s; compiling again", paths[0], why)
+def _discard(paths: list[Path], what: str, why: str) -> None:
+    log.warning("vgraph: %s %s %s; building it again", what, paths[0], why)
     for path in paths:
         path.unlink(missing_ok=True)
 
 
-def load(directory: Path, key: str) -> Artifact | None:
-    """The artifact saved under ``key``, or None (absent, or stale or corrupt: then logged and removed)."""
-    binary, record = directory / f"{key}.bin", directory / f"{key}.json"
+def _read(binary: Path, what: str, key: str, parse: Callable[[Path, dict], Any]) -> Any:
+    """``parse(binary, record)`` of the file saved under ``key`` with its ``.json`` record, or None: absent, or
+    saved for another key, not matching its hash, or unreadable (then logged and removed, never used)."""
+    record = binary.with_name(binary.name + ".json")
     if not binary.exists() and not record.exists():
         return None
     try:
         meta = json.loads(record.read_text())
         if meta["key"] != key:
-            _discard([binary, record], f"was saved for another compile (key {meta['key']})")
+            _discard([binary, record], what, f"was saved for another build (key {meta['key']})")
             return None
         if _file_hash(binary) != meta["sha256"]:
-            _discard([binary, record], "does not match the hash saved with it (truncated or overwritten)")
+            _discard([binary, record], what, "does not match the hash saved with it (truncated or overwritten)")
             return None
-        compiled = torch._inductor.CompiledArtifact.load(path=str(binary), format="binary")
-        served = tuple(int(budget) for budget in meta["served"])
-    except Exception as error:  # any unreadable file is rebuilt, whatever torch raised reading it
-        _discard([binary, record], f"could not be loaded ({type(error).__name__}: {error})")
+        return parse(binary, meta)
+    except Exception as error:  # any unreadable file is rebuilt, whatever raised reading it
+        _discard([binary, record], what, f"could not be loaded ({type(error).__name__}: {error})")
         return None
-    log.info("vgraph: loaded the compiled encoder from %s", binary)
-    return Artifact(compiled, served)
+
+
+def _write(binary: Path, what: str, key: str, write: Callable[[Path], None], **extra: Any) -> bool:
+    """``write(binary)``, then its ``.json`` record (key, hash, ``extra``) atomically; False (logged) on failure."""
+    record = binary.with_name(binary.name + ".json")
+    try:
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        write(binary)
+        meta = {"key": key, "sha256": _file_hash(binary), "torch": torch.__version__, **extra}
+        temporary = record.with_name(f"{record.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(meta))
+        temporary.replace(record)
+    except Exception as error:  # saving is an optimization: what is in hand still serves
+        log.warning("vgraph: could not save the %s to %s (%s: %s)", what, binary, type(error).__name__, error)
+        return False
+    log.info("vgraph: saved the %s to %s", what, binary)
+    return True
+
+
+def load(directory: Path, key: str) -> Artifact | None:
+    """The artifact saved under ``key``, or None (absent, or stale or corrupt: then logged and removed)."""
+
+    def parse(binary: Path, meta: dict) -> Artifact:
+        compiled = torch._inductor.CompiledArtifact.load(path=str(binary), format="binary")
+        return Artifact(compiled, tuple(int(budget) for budget in meta["served"]))
+
+    artifact = _read(directory / f"{key}.bin", "compiled artifact", key, parse)
+    if artifact is not None:
+        log.info("vgraph: loaded the compiled encoder from %s", directory / f"{key}.bin")
+    return artifact
 
 
 def save(directory: Path, key: str, artifact: Any, served: tuple[int, ...]) -> bool:
     """Save ``artifact`` (a ``CompiledArtifact``) under ``key``; False (logged) when it cannot be saved."""
-    binary, record = directory / f"{key}.bin", directory / f"{key}.json"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
+
+    def write(binary: Path) -> None:
         artifact.save(path=str(binary), format="binary")
-        meta = {"key": key, "sha256": _file_hash(binary), "served": list(served), "torch": torch.__version__}
-        temporary = record.with_suffix(f".json.{os.getpid()}")
-        temporary.write_text(json.dumps(meta))
-        temporary.replace(record)
-    except Exception as error:  # saving is an optimization: the compiled code in hand still serves
-        log.warning("vgraph: could not save the compiled encoder to %s (%s: %s)", binary, type(error).__name__, error)
-        return False
-    log.info("vgraph: saved the compiled encoder to %s", binary)
-    return True
+
+    return _write(directory / f"{key}.bin", "compiled artifact", key, write, served=list(served))
+
+
+def load_plan(directory: Path, key: str) -> Any:
+    """The build plan pickled under ``key``, or None (absent, or stale or corrupt: then logged and removed)."""
+    return _read(directory / f"{key}.plan", "build plan", key, lambda binary, _: pickle.loads(binary.read_bytes()))
+
+
+def discard_plan(directory: Path, key: str, why: str) -> None:
+    """Log and remove the plan saved under ``key`` (it loaded but cannot serve)."""
+    binary = directory / f"{key}.plan"
+    _discard([binary, binary.with_name(binary.name + ".json")], "build plan", why)
+
+
+def save_plan(directory: Path, key: str, plan: Any) -> bool:
+    """Pickle ``plan`` under ``key``; False (logged) when it cannot be saved."""
+    payload = pickle.dumps(plan)
+    return _write(directory / f"{key}.plan", "build plan", key, lambda binary: binary.write_bytes(payload))

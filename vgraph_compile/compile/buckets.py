@@ -7,9 +7,13 @@ outputs are static tensors in the pool that each replay overwrites; the runtime 
 capture that runs out of memory drops that bucket with a warning; the encoder keeps the others. Every graph is
 kept alive as long as the pool (a pool freed with its last graph breaks the next capture into it).
 
-Buffers: each copied input has one flat storage, sized for the largest bucket; a bucket's buffer is a contiguous
-view of its first elements. Buckets never run at the same time (the runtime serializes calls), so they share it.
-On CPU (or with ``cudagraphs=False``) a bucket runs the compiled code on its buffers each call.
+Buffers: each copied token input (``Role.TOKENS``) has one flat storage, sized for the largest bucket; a bucket's
+buffer is a contiguous view of its first elements. The other copied inputs (offsets, indices: the metadata)
+share one byte storage: a bucket's metadata buffers are typed views laid one after another (each at a multiple
+of ``STAGE_ALIGNMENT`` bytes) from its start, so a bucket's metadata is one contiguous byte ``region``, which a
+call whose metadata was seen before fills with one copy of its staged bytes (``Bucket.fill``). Buckets never run
+at the same time (the runtime serializes calls), so they share both storages. On CPU (or with
+``cudagraphs=False``) a bucket runs the compiled code on its buffers each call.
 
 What this module does not own: filling the buffers per call (``compile/padding``, called by ``serve/runtime``),
 choosing a bucket, and the order of calls (``serve/runtime``).
@@ -31,9 +35,12 @@ from vgraph_compile.symbolic import evaluate
 from vgraph_compile.spec import BucketShape, Role, VarlenSpec
 from vgraph_compile.compile import padding
 
-__all__ = ["Bucket", "BucketStats", "allocate", "capture", "padded_fraction"]
+__all__ = ["Bucket", "BucketStats", "allocate", "capture", "padded_fraction", "STAGE_ALIGNMENT"]
 
 log = logging.getLogger(__name__)
+
+STAGE_ALIGNMENT = 64
+"""Byte alignment of each metadata buffer in a bucket's region (compiled kernels assume 16-byte aligned inputs)."""
 
 
 @dataclass
@@ -68,6 +75,10 @@ class Bucket:
     stats: BucketStats
     fills: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, int], ...] = ()
     """Per buffer: its role's padding rule, the buffer and its graph input index (looked up once, not per call)."""
+    region: torch.Tensor | None = None
+    """The bytes of every metadata buffer (all but the token inputs), contiguous; None when there are none."""
+    token_fills: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, int], ...] = ()
+    """The ``fills`` of the token buffers (those outside ``region``)."""
     graph: "torch.cuda.CUDAGraph | None" = None
     outputs: Sequence[Any] = field(default_factory=tuple)
     """The captured graph's output tensors (overwritten by each replay)."""
@@ -79,14 +90,18 @@ class Bucket:
             return self.outputs
         return compiled(list(self.inputs))
 
-    def fill(self, args: Sequence[Any], written: Mapping[int, int]) -> None:
+    def fill(self, args: Sequence[Any], written: Mapping[int, int], staged: torch.Tensor | None = None) -> None:
         """Fill every buffer from a call's graph inputs by its role's rule (``padding``); ``written`` gives, per
-        input of ``padding.WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``)."""
-        for rule, buffer, index in self.fills:
+        input of ``padding.WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``).
+        With ``staged`` (the ``region`` bytes an earlier fill left for the same metadata), the metadata buffers
+        take them in one copy and only the token buffers are filled by their rules."""
+        for rule, buffer, index in self.fills if staged is None else self.token_fills:
             if index in written:
                 rule(buffer, args[index], written[index])
             else:
                 rule(buffer, args[index])
+        if staged is not None:
+            self.region.copy_(staged)
 
     def fill_empty(self, roles: dict[int, Role]) -> None:
         """Fill every buffer as for a call with no tokens (valid input for any kernel)."""
@@ -101,7 +116,7 @@ def allocate(
     copied: dict[int, tuple[torch.dtype, torch.device]],
     int_inputs: dict[int, Any],
 ) -> list[Bucket]:
-    """Buckets (smallest first) over shared flat storages, one per copied input.
+    """Buckets (smallest first) over shared storages: one per copied token input, one for all the metadata.
 
     ``bound`` holds the inputs fixed for every bucket (parameters; None elsewhere); ``copied`` gives the dtype and
     device of each input filled per call; ``int_inputs`` maps each size input to its symbolic value, evaluated at
@@ -114,22 +129,52 @@ def allocate(
         ]
         for index in copied
     }
+    tokens = {index: copied[index] for index in copied if spec.inputs[index].role is Role.TOKENS}
+    metadata = [index for index in copied if index not in tokens]
     storages = {
         index: torch.empty(max(math.prod(dims) for dims in sizes[index]), dtype=dtype, device=device)
-        for index, (dtype, device) in copied.items()
+        for index, (dtype, device) in tokens.items()
     }
+    layouts = [
+        _region_layout(metadata, copied, [sizes[index][position] for index in metadata])
+        for position in range(len(shapes))
+    ]
+    region_bytes = max((end for _, end in layouts), default=0)
+    device = next((device for _, device in copied.values()), None)
+    region_storage = torch.empty(region_bytes, dtype=torch.uint8, device=device) if metadata else None
     buckets = []
     for position, shape in enumerate(shapes):
         inputs = list(bound)
         buffers = {}
         for index, storage in storages.items():
             dims = sizes[index][position]
-            buffers[index] = inputs[index] = storage[: math.prod(dims)].view(dims)
+            buffers[index] = storage[: math.prod(dims)].view(dims)
+        offsets, end = layouts[position]
+        for index in metadata:
+            dims, (dtype, _) = sizes[index][position], copied[index]
+            start = offsets[index]
+            nbytes = math.prod(dims) * dtype.itemsize
+            buffers[index] = region_storage[start : start + nbytes].view(dtype).view(dims)
+        for index in copied:
+            inputs[index] = buffers[index]
         for index, value in int_inputs.items():
             inputs[index] = evaluate(value, shape.values, "a size input")
-        fills = tuple((padding.RULES[spec.inputs[index].role], buffer, index) for index, buffer in buffers.items())
-        buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget), fills))
+        fills = tuple((padding.RULES[spec.inputs[index].role], buffers[index], index) for index in copied)
+        region = region_storage[:end] if region_storage is not None else None
+        token_fills = tuple(fill for fill in fills if fill[2] in tokens)
+        buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget), fills, region, token_fills))
     return buckets
+
+
+def _region_layout(
+    metadata: list[int], copied: dict[int, tuple[torch.dtype, torch.device]], dims: list[list[int]]
+) -> tuple[dict[int, int], int]:
+    """Each metadata buffer's byte offset in a bucket's region, and the region's end (``STAGE_ALIGNMENT``)."""
+    offsets, end = {}, 0
+    for index, shape in zip(metadata, dims):
+        offsets[index] = end
+        end += math.ceil(math.prod(shape) * copied[index][0].itemsize / STAGE_ALIGNMENT) * STAGE_ALIGNMENT
+    return offsets, end
 
 
 def capture(buckets: list[Bucket], compiled: CompiledFn, roles: dict[int, Role]) -> list[Bucket]:

@@ -1,9 +1,14 @@
 """The build stage (``graphs``): one compiled graph for a traced encoder, then per bucket its buffers and captured graph.
 
 ``build(gm, ctx)`` runs after the analyses (``ctx.spec``, ``ctx.buckets``): it rewrites two copies of the trace
-(the eager fallback, and the graph inductor compiles once), binds the parameters (padded where ``align_matmuls``
-asked), prepares the kernels' state, and allocates every bucket's buffers. ``CompiledEncoder.warmup()`` captures
-the CUDA graphs (on the first call). The runtime only validates, fills, replays and narrows.
+(the eager fallback, and the graph inductor compiles once) and compiles; ``assemble`` then binds the parameters
+(padded where ``align_matmuls`` asked), prepares the kernels' state, and allocates every bucket's buffers.
+``CompiledEncoder.warmup()`` captures the CUDA graphs (on the first call). The runtime only validates, fills,
+replays and narrows.
+
+What the build decided is a picklable ``BuildRecord``: a later process that loaded it (``vgraph_compile/
+warm_start``) and the compiled code (``compile/artifacts``) calls ``assemble`` itself, with no trace and no
+compile.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from vgraph_compile.counters import counters
 from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, fold_scalars, rewrite, select_kernel
 from vgraph_compile.rewrite.align_matmuls import PADDED_SHAPE
 from vgraph_compile.fx_utils import example_value
-from vgraph_compile.spec import PassContext, Role
+from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
 
-__all__ = ["build", "CompiledEncoder"]
+__all__ = ["assemble", "build", "BuildRecord", "CompiledEncoder", "InputLayout"]
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +43,80 @@ _ALIGNED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 """Module parameter -> a weak reference to the aligned tensor that owns its storage (``_aligned``)."""
 
 
+@dataclass(frozen=True)
+class InputLayout:
+    """How each graph input enters the buckets, by graph input index (saved with a build plan)."""
+
+    copied: dict[int, tuple[torch.dtype, torch.device]]
+    """Inputs filled per call: their buffers' dtype and device."""
+    sizes: dict[int, Any]
+    """Size inputs: their value in the trace's symbols, evaluated at each bucket's sizes."""
+    constants: dict[int, Any]
+    """Other non-tensor inputs: their traced value."""
+    padded: dict[int, tuple[int, ...]]
+    """Parameters ``align_matmuls`` pads: their aligned shape."""
+
+
+def _layout(gm: torch.fx.GraphModule, ctx: PassContext) -> InputLayout:
+    copied, sizes, constants, padded = {}, {}, {}, {}
+    for role, node in zip(ctx.spec.inputs, gm.graph.find_nodes(op="placeholder")):
+        value = example_value(node)
+        if role.role is Role.PARAMETER:
+            if node.meta.get(PADDED_SHAPE) is not None:
+                padded[role.index] = tuple(node.meta[PADDED_SHAPE])
+        elif isinstance(value, torch.Tensor):
+            copied[role.index] = (value.dtype, value.device)
+        elif isinstance(value, torch.SymInt):
+            sizes[role.index] = value.node.expr
+        else:
+            constants[role.index] = value
+    return InputLayout(copied, sizes, constants, padded)
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """What the build decided for one trace, besides the compiled code and the buffers; picklable."""
+
+    eager: torch.fx.GraphModule
+    """The trace with the configured kernels, run as is for calls no bucket serves."""
+    layout: InputLayout
+    shapes: tuple[BucketShape, ...]
+    """The buckets the compiled code serves."""
+    cudagraphs: bool
+    kernels: dict[int, str]
+    """Attention group -> the kernel its sites run."""
+    folded: dict[int, float | int | bool]
+    """Graph input index -> the scalar value the graphs were built with (``rewrite/fold_scalars``)."""
+    prepared: tuple[tuple[str, str], ...]
+    """(kernel, device) of each kernel the compiled graph calls, whose state ``assemble`` prepares."""
+    artifact_key: str | None
+    """The saved artifact holding the compiled code (``compile/artifacts``); None when it is not on disk."""
+    graph: torch.fx.GraphModule | None
+    """The rewritten graph itself when it runs as is (``compiler="eager"``); None when inductor compiled it."""
+
+
 @dataclass
 class CompiledEncoder:
     """What the build made of one trace; the runtime serves calls from it."""
 
-    eager: torch.fx.GraphModule
-    """The trace with the configured kernels, run as is for calls no bucket serves."""
+    record: BuildRecord
     compiled: CompiledFn
     """The graph compiled once, symbolic in every token and segment size."""
     buckets: list[Bucket]
     """Smallest budget first."""
-    cudagraphs: bool
     roles: dict[int, Role]
     """Role of each input filled per call, by graph input index."""
-    kernels: dict[int, str] = field(default_factory=dict)
-    """Attention group -> the kernel its sites run."""
-    folded: dict[int, float | int | bool] = field(default_factory=dict)
-    """Graph input index -> the scalar value the graphs were built with (``rewrite/fold_scalars``)."""
     pool_bytes: int = 0
     """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
     captured: bool = False
     """Whether ``warmup`` ran (the buckets list is final)."""
+    strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    """(module parameter, its aligned tensor) of each parameter padded past its first dim and still held twice."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.eager, self.kernels, self.folded = self.record.eager, self.record.kernels, self.record.folded
+        self.cudagraphs = self.record.cudagraphs
 
     def warmup(self) -> None:
         """Capture every bucket's CUDA graph (largest first, one pool); idempotent and thread-safe. Once done it
@@ -76,6 +133,15 @@ class CompiledEncoder:
                 self.pool_bytes = torch.cuda.memory_reserved() - reserved
             self.captured = True
 
+    def share_strided(self) -> None:
+        """Make each parameter of ``strided`` a strided view of its aligned tensor, so its weights are held once
+        (the module keeps its shapes and ``state_dict``; eager and autograd calls take the view). Only for callers
+        that skip dynamo's guards after the first trace (``vgraph_compile.encoder``): dynamo guards parameters'
+        strides, so a guarded call of the module would trace again."""
+        for parameter, padded in self.strided:
+            _share(parameter, padded)
+        self.strided.clear()
+
 
 def _cudagraphs(ctx: PassContext) -> bool:
     config = ctx.config
@@ -90,6 +156,13 @@ def _cudagraphs(ctx: PassContext) -> bool:
     return wanted
 
 
+def _share(parameter: torch.Tensor, padded: torch.Tensor) -> None:
+    """Make ``parameter``'s data the leading block of ``padded`` (its own storage is freed once unreferenced)."""
+    with torch.no_grad():
+        parameter.data = padded[tuple(slice(0, size) for size in parameter.shape)]
+    _ALIGNED[parameter] = weakref.ref(padded)
+
+
 def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A zero tensor of ``shape`` holding ``parameter`` in its leading block.
 
@@ -101,8 +174,8 @@ def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     before compiling it. A later trace of the same module (another grad mode, say) gets the same tensor back.
 
     Padded along a later dim (a consumer's weight columns), the block's row stride is the padded width, and dynamo
-    guards the parameter's strides: a view there would make every later guarded call retrace. That weight stays a
-    zero-padded copy.
+    guards the parameter's strides: a view there would make a later guarded call retrace. That weight stays a
+    copy until ``CompiledEncoder.share_strided`` (for callers past dynamo's guards) makes it a view too.
     """
     known = _ALIGNED.get(parameter)
     padded = known() if known is not None else None
@@ -113,25 +186,30 @@ def _aligned(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         block = padded[tuple(slice(0, size) for size in parameter.shape)]
         block.copy_(parameter.detach())
         if block.stride() == parameter.stride():
-            parameter.data = block
-            _ALIGNED[parameter] = weakref.ref(padded)
+            _share(parameter, padded)
     return padded
 
 
-def _bind_parameters(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
-    """Per graph input: the parameter tensor (at its aligned shape where ``align_matmuls`` asked) or None (filled
-    per call)."""
-    bound: list[Any] = []
-    for node, role in zip(gm.graph.find_nodes(op="placeholder"), ctx.spec.inputs):
-        value = ctx.example_inputs[role.index]
-        if role.role is not Role.PARAMETER:
-            bound.append(None)
-            continue
-        padded = node.meta.get(PADDED_SHAPE)
-        if padded is not None:
-            value = _aligned(value, tuple(padded))
-        bound.append(value)
-    return bound
+def assemble(spec: VarlenSpec, record: BuildRecord, compiled: CompiledFn, state: list[Any]) -> CompiledEncoder:
+    """The encoder of a build: parameters bound (aligned where the layout pads them), kernels prepared, every
+    bucket's buffers allocated. ``state`` holds, per graph input, the module's parameter or buffer (None
+    elsewhere): the traced values, or the live module's in a process that loaded a build plan."""
+    for name, device in record.prepared:
+        registry.BACKENDS[name].prepare(torch.device(device))
+    layout = record.layout
+    bound = [
+        _aligned(value, layout.padded[index]) if index in layout.padded else value for index, value in enumerate(state)
+    ]
+    strided = [
+        (state[index], bound[index]) for index in layout.padded if bound[index].data_ptr() != state[index].data_ptr()
+    ]
+    for index, value in layout.constants.items():
+        bound[index] = value
+    with torch.inference_mode(False):
+        buckets = bucket_graphs.allocate(spec, list(record.shapes), bound, layout.copied, layout.sizes)
+    counters.buckets_built += len(buckets)
+    roles = {index: spec.inputs[index].role for index in layout.copied}
+    return CompiledEncoder(record, compiled, buckets, roles, strided=strided)
 
 
 def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
@@ -141,23 +219,19 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     ctx.kernels = choose_kernels(gm, ctx)
     eager = rewrite(copy.deepcopy(gm), ctx, REWRITES)
     compiled_graph = rewrite(copy.deepcopy(gm), ctx, REWRITES + COMPILE_REWRITES)
-    for name, device in select_kernel.kernels_used(compiled_graph):
-        registry.BACKENDS[name].prepare(device)
-    bound = _bind_parameters(compiled_graph, ctx)
-    compiled, shapes = compile_once(compiled_graph, ctx)
-    placeholders = list(compiled_graph.graph.find_nodes(op="placeholder"))
-    copied, sizes = {}, {}
-    for role, node in zip(ctx.spec.inputs, placeholders):
-        value = example_value(node)
-        if isinstance(value, torch.Tensor) and bound[role.index] is None:
-            copied[role.index] = (value.dtype, value.device)
-        elif isinstance(value, torch.SymInt):
-            sizes[role.index] = value.node.expr
-        elif not isinstance(value, torch.Tensor):
-            bound[role.index] = value
-    with torch.inference_mode(False):
-        buckets = bucket_graphs.allocate(ctx.spec, shapes, bound, copied, sizes)
-    counters.buckets_built += len(buckets)
-    roles = {index: ctx.spec.inputs[index].role for index in copied}
-    kernels = select_kernel.kernels_by_group(compiled_graph, ctx)
-    return CompiledEncoder(eager, compiled, buckets, cudagraphs, roles, kernels, folded)
+    prepared = tuple((name, str(device)) for name, device in select_kernel.kernels_used(compiled_graph))
+    layout = _layout(compiled_graph, ctx)
+    result = compile_once(compiled_graph, ctx)
+    record = BuildRecord(
+        eager=eager,
+        layout=layout,
+        shapes=tuple(result.shapes),
+        cudagraphs=cudagraphs,
+        kernels=select_kernel.kernels_by_group(compiled_graph, ctx),
+        folded=folded,
+        prepared=prepared,
+        artifact_key=result.artifact_key,
+        graph=compiled_graph if ctx.config.compiler == "eager" else None,
+    )
+    state = [value if role.role is Role.PARAMETER else None for role, value in zip(ctx.spec.inputs, ctx.example_inputs)]
+    return assemble(ctx.spec, record, result.run, state)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import sympy
 import torch
@@ -33,12 +33,35 @@ from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import substitute
 from vgraph_compile.spec import BucketShape, PassContext, Role
 
-__all__ = ["compile_once", "CompiledFn"]
+if TYPE_CHECKING:
+    from vgraph_compile.config import VGraphConfig
+
+__all__ = ["compile_once", "load_compiled", "CompiledFn", "CompileResult"]
 
 log = logging.getLogger(__name__)
 
 CompiledFn = Callable[[list], Sequence[Any]]
 """The compiled graph: takes the list of graph inputs, returns the outputs."""
+
+
+class CompileResult(NamedTuple):
+    run: CompiledFn
+    shapes: list[BucketShape]
+    """The buckets the compiled code serves."""
+    artifact_key: str | None
+    """The key of the saved artifact holding the compiled code (None: not on disk, a later process compiles)."""
+
+
+def load_compiled(config: "VGraphConfig", key: str) -> tuple[CompiledFn, tuple[int, ...]] | None:
+    """The compiled code saved under ``key`` in the config's artifact directory and the budgets it serves; None
+    when absent or unusable."""
+    directory = artifacts.artifact_dir(config) if artifacts.available() else None
+    loaded = artifacts.load(directory, key) if directory is not None else None
+    if loaded is None:
+        return None
+    counters.artifacts_loaded += 1
+    compiled = loaded.compiled
+    return (lambda inputs: compiled(*inputs)), loaded.served
 
 
 def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
@@ -93,21 +116,19 @@ def _added_constraints(shape_env, guards_before: int, replacements_before: dict)
     return added
 
 
-def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, list[BucketShape]]:
+def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
     """The compiled graph, and the buckets it may serve: re-derived with the sizes inductor pinned held at their
     values, and only those where every guard inductor added holds at their sizes. Loaded from a saved artifact when
     one matches (``compile/artifacts``), else compiled, and saved unless inductor pinned a size (a loaded artifact
     would not tell the buckets to hold it)."""
     if ctx.config.compiler == "eager":
-        return (lambda inputs: gm(*inputs)), list(ctx.buckets)
-    directory = artifacts.artifact_dir(ctx) if artifacts.available() else None
+        return CompileResult(lambda inputs: gm(*inputs), list(ctx.buckets), None)
+    directory = artifacts.artifact_dir(ctx.config) if artifacts.available() else None
     key = artifacts.artifact_key(gm, ctx) if directory is not None else None
-    if directory is not None:
-        loaded = artifacts.load(directory, key)
-        if loaded is not None:
-            counters.artifacts_loaded += 1
-            compiled = loaded.compiled
-            return (lambda inputs: compiled(*inputs)), [b for b in ctx.buckets if b.budget in loaded.served]
+    loaded = load_compiled(ctx.config, key) if key is not None else None
+    if loaded is not None:
+        run, served = loaded
+        return CompileResult(run, [bucket for bucket in ctx.buckets if bucket.budget in served], key)
     guards_before, replacements_before = len(ctx.shape_env.guards), dict(ctx.shape_env.replacements)
     pinned_before = bounds.pinned_sizes(ctx)
     start = time.perf_counter()
@@ -138,7 +159,9 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn
             counters.buckets_dropped += 1
             continue
         served.append(bucket)
+    saved = None
     if directory is not None and artifact is not None and pinned == pinned_before:
         if artifacts.save(directory, key, artifact, tuple(bucket.budget for bucket in served)):
             counters.artifacts_saved += 1
-    return compiled, served
+            saved = key
+    return CompileResult(compiled, served, saved)

@@ -41,6 +41,7 @@ import torch
 from vgraph_compile.analyze import TILE_ANALYSES
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.decorator import CompiledEncoderFunction
+from vgraph_compile.hf.outputs import OutputFactory
 from vgraph_compile.hf.stand_in import TowerStandIn
 
 __all__ = [
@@ -119,6 +120,7 @@ class _OutputFields:
     output_class: type
     fields: tuple[tuple[str, Any], ...]
     """(name, layout): layout is "tensor", or a tuple of "tensor"/None per element of a tuple field."""
+    make_output: OutputFactory
 
     @classmethod
     def of(cls, output) -> "_OutputFields":
@@ -128,7 +130,7 @@ class _OutputFields:
                 fields.append((name, "tensor"))
             elif isinstance(value, (tuple, list)):
                 fields.append((name, tuple("tensor" if isinstance(item, torch.Tensor) else None for item in value)))
-        return cls(type(output), tuple(fields))
+        return cls(type(output), tuple(fields), OutputFactory(type(output)))
 
     @staticmethod
     def flatten(output) -> tuple[torch.Tensor, ...]:
@@ -152,7 +154,7 @@ class _OutputFields:
                 items.append(flat[position] if item else None)
                 position += bool(item)
             values[name] = tuple(items)
-        return self.output_class(**values)
+        return self.make_output(values)
 
 
 class _TileCall(torch.nn.Module):

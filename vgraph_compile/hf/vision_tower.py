@@ -29,6 +29,7 @@ from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
+from vgraph_compile.hf.outputs import OutputFactory
 from vgraph_compile.hf.packed_tower import (
     PackedTower,
     grid_argument,
@@ -178,6 +179,8 @@ class CompiledVisionTower(TowerStandIn):
         self.parallel_calls: collections.Counter[str] = collections.Counter()
         """Calls over the process group per mode ("data", "sequence")."""
         self.load_stats = data_parallel.LoadStats()
+        self.make_output = OutputFactory(interface.output_class)
+        """Builds the tower's output object from its fields (``hf/outputs``)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -282,10 +285,11 @@ class CompiledVisionTower(TowerStandIn):
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
+        """The compiled tower on one batch, keyed by its grid: the metadata is the grid's, from the cache."""
         metadata = self.grid_metadata(grid, pixel_values.device)
         if not self.compiled.traced:
             self._mark_sizes(metadata)
-        return self.compiled(pixel_values, **metadata)
+        return self.compiled.call_keyed(grid, pixel_values, **metadata)
 
     def _mark_sizes(self, metadata: dict[str, Any]) -> None:
         """Before the trace: a grid table's rows are one size for every call (static), and every other metadata
@@ -484,7 +488,7 @@ class CompiledVisionTower(TowerStandIn):
             values = [value[None] if field.batched else value for value in values]
             fields[field.name] = values[0] if field.count is None else values
             position += field.count or 1
-        return self.interface.output_class(**fields)
+        return self.make_output(fields)
 
 
 def is_packed_tower(tower: torch.nn.Module) -> bool:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch._dynamo import source as dynamo_source
 
-__all__ = ["CallArguments", "OutputLayout", "argument_rooted", "source_name"]
+__all__ = ["AttributeStep", "CallArguments", "OutputLayout", "SizeStep", "argument_rooted", "source_name"]
 
 log = logging.getLogger(__name__)
 
@@ -44,43 +44,61 @@ class _Unsupported(Exception):
     """A source the hot path cannot read; the encoder keeps going through dynamo."""
 
 
-def _reader(source, arguments: set[str]) -> tuple[Reader, tuple] | None:
-    """(reader over the bound arguments, its path) for a source rooted in an argument; None for other roots."""
+class SizeStep(NamedTuple):
+    """A path step: a tensor's size along ``dim``."""
+
+    dim: int
+
+
+class AttributeStep(NamedTuple):
+    """A path step: an attribute of the value."""
+
+    name: str
+
+
+def _path(source, arguments: set[str]) -> tuple | None:
+    """The steps from the call's bound arguments to the value of ``source``: the argument's name, then an item
+    (an index or key), a ``SizeStep`` or an ``AttributeStep`` each; None for a source rooted elsewhere."""
     if isinstance(source, dynamo_source.LocalSource):
-        if source.local_name not in arguments:
-            return None
-        name = source.local_name
-        return (lambda local: local[name]), (name,)
+        return (source.local_name,) if source.local_name in arguments else None
     if isinstance(source, (dynamo_source.GetItemSource, dynamo_source.DictGetItemSource)):
         index = source.index
         if isinstance(index, dynamo_source.Source) or getattr(source, "index_is_slice", False):
             raise _Unsupported(f"an indexed argument ({type(index).__name__})")
-        inner = _reader(source.base, arguments)
-        if inner is None:
-            return None
-        read, path = inner
-        return (lambda local: read(local)[index]), (*path, index)
+        inner = _path(source.base, arguments)
+        return None if inner is None else (*inner, index)
     if isinstance(source, dynamo_source.TensorPropertySource):
-        inner = _reader(source.base, arguments)
+        inner = _path(source.base, arguments)
         if inner is None:
             return None
         if source.prop is not dynamo_source.TensorProperty.SIZE:
             raise _Unsupported(f"a tensor's {source.prop.name.lower()}")
-        read, path = inner
-        dim = source.idx
-        return (lambda local: read(local).shape[dim]), (*path, f"size{dim}")
+        return (*inner, SizeStep(source.idx))
     if isinstance(source, dynamo_source.AttrSource):
-        inner = _reader(source.base, arguments)
-        if inner is None:
-            return None
-        read, path = inner
-        member = source.member
-        return (lambda local: getattr(read(local), member)), (*path, member)
+        inner = _path(source.base, arguments)
+        return None if inner is None else (*inner, AttributeStep(source.member))
     if isinstance(source, dynamo_source.ChainedSource):
-        if _reader(source.base, arguments) is None:
+        if _path(source.base, arguments) is None:
             return None
         raise _Unsupported(type(source).__name__)
     return None
+
+
+def _step(inner: Reader, step: Any) -> Reader:
+    if isinstance(step, SizeStep):
+        return lambda local: inner(local).shape[step.dim]
+    if isinstance(step, AttributeStep):
+        return lambda local: getattr(inner(local), step.name)
+    return lambda local: inner(local)[step]
+
+
+def _reader(path: tuple) -> Reader:
+    """A reader over the bound arguments that follows ``path`` (one closure per step, no loop per call)."""
+    name = path[0]
+    read: Reader = lambda local: local[name]
+    for step in path[1:]:
+        read = _step(read, step)
+    return read
 
 
 def _fingerprint(value: Any, path: tuple, sizes: set[tuple]) -> Any:
@@ -104,19 +122,29 @@ class CallArguments:
     """Reads every graph input of one trace from an encoder call's arguments."""
 
     signature: inspect.Signature
-    readers: list[Reader | None]
-    """Per graph input: how to read it per call, or None when it is bound."""
+    paths: list[tuple | None]
+    """Per graph input: the path it is read from per call (``_path``), or None when it is bound."""
     bound: list[Any]
-    """Per graph input: its value fixed at trace time (where ``readers`` is None)."""
-    sizes: set[tuple]
-    """Paths of the int arguments that are graph inputs (sizes), so their value may change."""
+    """Per graph input: its value fixed at trace time (where ``paths`` is None)."""
     positional: tuple[str, ...] = ()
     """The parameter names, when a call giving all of them positionally needs no ``Signature.bind``."""
     fingerprint: Any = None
 
     def __post_init__(self) -> None:
-        self._read = [(index, read) for index, read in enumerate(self.readers) if read is not None]
+        self.sizes = {path for path in self.paths if path is not None}
+        """Paths of the graph inputs read per call: an int there is a size, so its value may change."""
+        self._read = [(index, _reader(path)) for index, path in enumerate(self.paths) if path is not None]
         """The inputs read per call (a few), apart from the bound ones (every parameter)."""
+
+    @classmethod
+    def over(cls, forward: Callable[..., Any], paths: list[tuple | None], bound: list[Any]) -> "CallArguments":
+        """Readers of ``paths`` over the arguments of ``forward``'s calls, the other inputs bound."""
+        signature = inspect.signature(forward)
+        plain = all(
+            parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            for parameter in signature.parameters.values()
+        )
+        return cls(signature, list(paths), list(bound), tuple(signature.parameters) if plain else ())
 
     @classmethod
     def from_trace(
@@ -124,29 +152,22 @@ class CallArguments:
     ) -> "CallArguments | None":
         """Readers for the graph inputs of ``sources`` (dynamo's, one per input; ``fixed`` holds the traced value
         of each input not rooted in an argument). None (logged) when the hot path cannot read some input."""
-        signature = inspect.signature(forward)
-        names = set(signature.parameters)
-        readers, paths = [], set()
+        names = set(inspect.signature(forward).parameters)
+        paths = []
         for index, source in enumerate(sources):
             try:
                 if source is None:
                     raise _Unsupported(f"graph input {index} has no source")
-                found = _reader(source, names)
-                if found is None and fixed[index] is None:
+                path = _path(source, names)
+                if path is None and fixed[index] is None:
                     raise _Unsupported(
                         f"graph input {index} ({source_name(source)}) that is neither an argument nor state"
                     )
             except _Unsupported as why:
                 log.info("the encoder keeps dynamo's guards on every call: its inputs include %s", why)
                 return None
-            readers.append(found and found[0])
-            if found is not None:
-                paths.add(found[1])
-        plain = all(
-            parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            for parameter in signature.parameters.values()
-        )
-        return cls(signature, readers, list(fixed), paths, tuple(signature.parameters) if plain else ())
+            paths.append(path)
+        return cls.over(forward, paths, fixed)
 
     def _local(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         if not kwargs and len(args) == len(self.positional):

@@ -9,13 +9,16 @@ every later call (the hot path skips dynamo's guards).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import sympy
 import torch
 
 from vgraph_compile.compile.padding import WRITTEN_SIZE_ROLES
-from vgraph_compile.spec import PassContext, Role
+from vgraph_compile.spec import PassContext, Role, VarlenSpec
+
+if TYPE_CHECKING:
+    from vgraph_compile.config import VGraphConfig
 from vgraph_compile.symbolic import evaluate
 
 __all__ = ["CallChecks", "CallPlan"]
@@ -55,9 +58,12 @@ class _TensorContract:
 class CallChecks:
     """The checks and plans of one trace's calls; plans are cached per distinct sizes."""
 
-    def __init__(self, ctx: PassContext) -> None:
-        self.spec = ctx.spec
-        self.config = ctx.config
+    def __init__(
+        self, spec: VarlenSpec, config: "VGraphConfig", tensors: Mapping[int, tuple[torch.dtype, torch.device]]
+    ) -> None:
+        """``tensors``: the dtype and device of each tensor input that is not module state, by graph input index."""
+        self.spec = spec
+        self.config = config
         self._plans: dict[tuple[int, ...], CallPlan] = {}
         self._offsets = [role for role in self.spec.inputs if role.role is Role.SEGMENT_OFFSETS]
         self._writers = [role for role in self.spec.inputs if role.role in WRITTEN_SIZE_ROLES]
@@ -65,12 +71,21 @@ class CallChecks:
             group.offsets_input: group.max_seqlen_inputs for group in self.spec.groups if group.max_seqlen_inputs
         }
         self._contracts = []
-        for role, value, shape in zip(self.spec.inputs, ctx.example_inputs, self.spec.input_shapes):
-            if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER:
-                static = tuple(int(size) if not getattr(size, "free_symbols", ()) else None for size in shape)
-                fixed = tuple((dim, size) for dim, size in enumerate(static) if size is not None)
-                name = self.spec.describe_input(role.index)
-                self._contracts.append(_TensorContract(role.index, name, value.dtype, value.device, static, fixed))
+        for index, (dtype, device) in sorted(tensors.items()):
+            shape = spec.input_shapes[index]
+            static = tuple(int(size) if not getattr(size, "free_symbols", ()) else None for size in shape)
+            fixed = tuple((dim, size) for dim, size in enumerate(static) if size is not None)
+            self._contracts.append(_TensorContract(index, spec.describe_input(index), dtype, device, static, fixed))
+
+    @classmethod
+    def from_context(cls, ctx: PassContext) -> "CallChecks":
+        """The checks of the trace in ``ctx``: its tensor inputs as traced."""
+        tensors = {
+            role.index: (value.dtype, value.device)
+            for role, value in zip(ctx.spec.inputs, ctx.example_inputs)
+            if isinstance(value, torch.Tensor) and role.role is not Role.PARAMETER
+        }
+        return cls(ctx.spec, ctx.config, tensors)
 
     def check(self, args: Sequence[Any]) -> CallPlan:
         """The call's plan, after its inputs passed every check (a ValueError saying what to fix otherwise)."""

@@ -1,8 +1,8 @@
 """``VGraphRuntime``: serves the calls of one traced encoder from the buckets its build made.
 
 Per call: read the real sizes from the inputs, validate them (before anything runs), choose the smallest bucket
-that holds every size, then, holding the runtime's lock: fill the bucket's buffers by each input's padding rule,
-replay (or run) the bucket, narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
+that holds every size, then, holding the runtime's lock: fill the bucket's buffers by each input's padding rule
+(a keyed call's metadata by one copy of the bytes staged at its key's first call), replay (or run) the bucket, narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
@@ -26,7 +26,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import sympy
 import torch
@@ -35,8 +35,7 @@ from vgraph_compile.compile.build import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.compile.call_costs import CallCosts, measure_call_costs
 from vgraph_compile.counters import counters
-from vgraph_compile.spec import BucketShape, PassContext
-from vgraph_compile.serve.arguments import argument_rooted
+from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve.checks import CallChecks, CallPlan
 from vgraph_compile.serve.split import Splitter, can_split
 
@@ -54,6 +53,7 @@ class _Miss:
 
 
 _CHOICE_CACHE_SIZE = 4096
+_STAGED_CACHE_SIZE = 1024
 
 PADDED, SPLIT, EAGER = "padded to the smallest bucket", "split over two buckets", "run eagerly (cheaper)"
 """The per-call choices of ``call_choice="measured"``, as ``stats_table()`` counts them."""
@@ -74,33 +74,34 @@ class VGraphRuntime:
         self,
         encoder: CompiledEncoder,
         checks: CallChecks,
-        ctx: PassContext,
-        sources: Sequence[Any],
+        device: torch.device,
+        fixed_inputs: Sequence[Any],
+        sources: Sequence[Any] | None = None,
         keep_first_outputs: bool = False,
     ) -> None:
         self.serial = next(_SERIALS)
         self.name = f"vgraph encoder #{self.serial}"
         self.encoder = encoder
-        """The compiled graph and its buckets (built inside the backend's call, after the first call's checks)."""
+        """The compiled graph and its buckets (built inside the backend's call, after the first call's checks, or
+        assembled from a saved build plan)."""
         self.checks = checks
-        self.spec = ctx.spec
-        self.config = ctx.config
-        self.device = ctx.device
+        self.spec = checks.spec
+        self.config = checks.config
+        self.device = device
         self.misses: dict[str, _Miss] = {}
         self._chosen: dict[tuple[int, ...], Bucket | None] = {}
         """The bucket chosen per call sizes, kept once the graphs are captured (a capture may drop buckets)."""
+        self._staged: dict[tuple[Hashable, int], torch.Tensor] = {}
+        """(call key, budget) -> the bucket's metadata bytes as that key's first call filled them."""
         self._lock = threading.Lock()
         self._done: torch.cuda.Event | None = None
+        self.fixed_inputs = list(fixed_inputs)
+        """The value of each input not read from the call's arguments (parameters, module state); None elsewhere."""
         self._parameters_need_grad = any(
-            isinstance(value, torch.Tensor) and value.requires_grad for value in ctx.example_inputs
+            isinstance(value, torch.Tensor) and value.requires_grad for value in self.fixed_inputs
         )
-        self.input_sources = list(sources)
-        """Dynamo's source of each graph input (None where it has none)."""
-        self.fixed_inputs = [
-            None if source is not None and argument_rooted(source) else value
-            for source, value in zip(self.input_sources, ctx.example_inputs)
-        ]
-        """The traced value of each input not read from the call's arguments (parameters, module state)."""
+        self.input_sources = list(sources) if sources is not None else None
+        """Dynamo's source of each graph input (None where it has none); None for a runtime no trace made."""
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
@@ -265,7 +266,10 @@ class VGraphRuntime:
             results.append(output)
         return results
 
-    def __call__(self, *args: Any) -> list[Any]:
+    def __call__(self, *args: Any, key: Hashable = None) -> list[Any]:
+        """Serve one call of graph inputs ``args``. A ``key`` promises that every input but the token rows equals
+        that of any earlier call with the same key (the HF towers pass the grid, whose metadata vgraph caches): the
+        bucket's metadata then takes the bytes staged at that call, in one copy."""
         plan = self.checks.check(args)
         grad = torch.is_grad_enabled()
         if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
@@ -303,7 +307,7 @@ class VGraphRuntime:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
                 stream.wait_event(self._done)
-            bucket.fill(args, plan.written)  # every call, metadata too: a tensor can change without its version counter moving
+            self._fill(bucket, args, plan, key)
             results = self._narrow(bucket.run(self.encoder.compiled), plan)
             if stream is not None:
                 self._done = self._done or torch.cuda.Event()
@@ -312,6 +316,21 @@ class VGraphRuntime:
             bucket.stats.real_tokens += plan.tokens
             counters.replays += 1
         return results
+
+    def _fill(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable) -> None:
+        """Every buffer, every call: an unkeyed call's metadata too (a tensor can change without its version
+        counter moving). A keyed call's metadata comes from the bytes staged at the key's first call here."""
+        if key is None or bucket.region is None:
+            bucket.fill(args, plan.written)
+            return
+        staged = self._staged.get((key, bucket.shape.budget))
+        if staged is not None:
+            bucket.fill(args, plan.written, staged)
+            return
+        bucket.fill(args, plan.written)
+        if len(self._staged) >= _STAGED_CACHE_SIZE:
+            self._staged.clear()
+        self._staged[key, bucket.shape.budget] = bucket.region.clone()
 
     # -- reporting ---------------------------------------------------------------------------------------------
     def stats_table(self) -> str:
