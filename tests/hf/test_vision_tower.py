@@ -216,5 +216,5 @@ def test_a_later_compile_of_the_tower_serves_from_its_saved_plan(towers, tmp_pat
         warm = compile_vision_tower(tower, artifact_dir=str(tmp_path), **options)
         with counters.expect(plans_loaded=1, buckets_built=2, replays=2):
             _assert_same(warm(pixel_values, grid_thw), ref)
-        with pytest.raises(ValueError, match="pixel_values has 96 rows but grid_thw describes"):
+        with pytest.raises(ValueError, match="hidden_states has 96 rows but grid_thw describes"):
             warm(pixel_values[:96], grid_thw)

@@ -2,7 +2,8 @@
 
 Per call: read the real sizes from the inputs, validate them (before anything runs), choose the smallest bucket
 that holds every size, then, holding the runtime's lock: fill the bucket's buffers by each input's padding rule
-(a keyed call's metadata by one copy of the bytes staged at its key's first call), replay (or run) the bucket, narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
+(a keyed call's metadata by one copy of the bytes staged at its key's first call), replay (or run) the bucket,
+narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
@@ -288,12 +289,12 @@ class VGraphRuntime:
             return self._no_bucket(args, plan.sizes)
         with torch.no_grad() if grad else contextlib.nullcontext():
             if self.costs is None:
-                results = self._replay(bucket, args, plan)
+                results = self._replay(bucket, args, plan, key)
             else:
                 choice, split = self._route(bucket, args, plan)
                 self.choices[choice] += 1
                 if choice == PADDED:
-                    results = self._replay(bucket, args, plan)
+                    results = self._replay(bucket, args, plan, key)
                 elif choice == EAGER:
                     results = list(self.encoder.eager(*args))
                 else:
@@ -301,8 +302,9 @@ class VGraphRuntime:
         self._remember_first(results)
         return results
 
-    def _replay(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
-        """Serve one call by ``bucket``: fill, replay, narrow and copy out, holding the lock."""
+    def _replay(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable = None) -> list[Any]:
+        """Serve one call by ``bucket``: fill (by the staged bytes of ``key``, when given), replay, narrow and copy
+        out, holding the lock. A split call's halves pass no key: their metadata is not the key's."""
         with self._lock:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._done is not None:
