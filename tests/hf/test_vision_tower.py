@@ -196,3 +196,16 @@ def test_a_keyword_is_dropped_only_when_it_asks_for_what_the_traced_call_did():
     assert not asks_nothing(defaults, "scale", 2.0)
     assert not asks_nothing(defaults, "output_router_logits", True)
     assert not asks_nothing(defaults, "grid_thw", False)  # a parameter without a default
+
+
+def test_the_window_group_is_sized_by_the_window_bound(towers, compiled):
+    """Qwen2.5-VL's window attention gets the window bound (not the token budget) and its full attention the frame
+    bound: the tower's ``cu_window_seqlens`` is found in the trace under TowerCall's input name."""
+    tower = compiled["qwen2.5-vl"]
+    with torch.inference_mode():
+        tower.warmup()
+    for bucket in tower.runtimes[0].buckets:
+        bounds = tower.geometry.bounds(bucket.shape.budget, 3, 6)
+        shapes = sorted(zip(bucket.shape.segments, bucket.shape.max_seqlen))
+        assert shapes == sorted([(bounds.windows, bounds.max_seqlen_window), (bounds.segments, bounds.max_seqlen_full)])
+        assert bounds.max_seqlen_window < bounds.max_seqlen_full
