@@ -9,17 +9,27 @@ call, and a SigLIP-So400m-size packed encoder on large packed calls, each agains
   kind (attention, GEMM, Triton/inductor kernels, other).
 - ``So400mEncoder`` (27 blocks, width 1152, MLP 4304, 16 heads, tanh GELU, a learned position table; patches of
   14 x 14 x 3) through ``vgraph_compile.encoder`` with default options, against the same module run eagerly.
+- With ``--call-choice-mixes N``: the same encoder served twice in one process, ``call_choice="measured"`` and
+  ``"smallest_bucket"``, on N random mixes of images: each mix's median per mode and the measured mode's choices,
+  written to a second report (``--call-choice-json``).
+
+Each build's ``auto`` kernel timings (every candidate's time per attention group, and the kernel kept) are logged
+and kept in the report under ``kernel_timing_log``.
 
 Each part is written to the report as soon as it is measured, so a run cut short keeps what it measured.
 
     python benchmarks/large_images.py [--towers qwen3_vl qwen2_vl qwen2_5_vl] [--json PATH] [--deadline-s S]
+                                      [--call-choice-mixes N --call-choice-json PATH]
     python benchmarks/large_images.py --toy   # tiny towers and encoder on the CPU (checks the script, no timing)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import logging
 import pathlib
+import random
 import time
 
 import torch
@@ -50,6 +60,25 @@ KINDS = {
     "triton (inductor fused)": ("triton",),
 }
 """Kernel kinds of the breakdown, by substrings of the kernel name (first match wins; the rest is ``other``)."""
+
+
+class KernelTimingLog(logging.Handler):
+    """Keeps the messages of ``compile.kernel_timing`` (what ``auto`` timed and kept) since the last ``take()``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        source = logging.getLogger("vgraph_compile.compile.kernel_timing")
+        source.setLevel(logging.INFO)
+        source.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        print(record.getMessage(), flush=True)
+
+    def take(self) -> list[str]:
+        taken, self.messages = self.messages, []
+        return taken
 
 
 class _Block(nn.Module):
@@ -153,6 +182,57 @@ def measure_tower(family, device, peak, repeats, warmup, toy, breakdown) -> dict
     return result
 
 
+def encoder_args(lengths: list[int], device, generator: torch.Generator) -> tuple:
+    """``So400mEncoder``'s call for images of ``lengths`` tokens: random patches, per-image positions, offsets."""
+    patches = torch.randn(sum(lengths), 588, generator=generator).to(device, torch.bfloat16)
+    positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
+    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device, torch.int32)
+    return patches, positions, cu, max(lengths)
+
+
+def measure_call_choice(device, repeats, warmup, toy, mixes) -> dict:
+    """The So400m-size encoder served with ``call_choice="measured"`` and ``"smallest_bucket"`` on ``mixes`` random
+    image mixes (1-6 images of 64-4,096 tokens): per mix, both medians, the measured mode's choices (counted over
+    its calls of that mix) and each mode's error against eager."""
+    sizes = dict(width=64, depth=2, heads=4, mlp=96, positions=4096) if toy else {}
+    model = So400mEncoder(**sizes).to(device, torch.bfloat16).eval()
+    options = {"compiler": "eager", "max_tokens": 1024} if toy else {}
+    served = {
+        mode: vgraph_compile.encoder(model, call_choice=mode, **options) for mode in ("measured", "smallest_bucket")
+    }
+    draw, counter = random.Random(0), torch.Generator().manual_seed(1)
+    most = 256 if toy else 4096
+    result: dict = {"mixes": []}
+    for _ in range(mixes):
+        lengths = [draw.randint(16 if toy else 64, most) for _ in range(draw.randint(1, 6))]
+        args = encoder_args(lengths, device, counter)
+        entry: dict = {"lengths": lengths, "tokens": sum(lengths)}
+        with torch.inference_mode():
+            ref = model(*args)
+            for mode, fn in served.items():
+                runtimes = fn.vgraph.runtimes
+                before = collections.Counter()
+                for runtime in runtimes:
+                    before.update(runtime.choices)
+                out = fn(*args)
+                entry[f"{mode}_ms"] = round(median_ms(lambda: fn(*args), repeats, warmup, device), 3)
+                entry[f"{mode}_vs_eager_rel_error"] = round(relative(out, ref), 5)
+                if mode == "measured":
+                    after = collections.Counter()
+                    for runtime in fn.vgraph.runtimes:
+                        after.update(runtime.choices)
+                    entry["measured_choices"] = dict(after - before)
+        entry["measured_over_smallest_bucket"] = round(entry["measured_ms"] / entry["smallest_bucket_ms"], 3)
+        print(entry, flush=True)
+        result["mixes"].append(entry)
+    ratios = sorted(entry["measured_over_smallest_bucket"] for entry in result["mixes"])
+    result["median_measured_over_smallest_bucket"] = ratios[len(ratios) // 2] if ratios else None
+    result["stats"] = {
+        mode: "\n".join(runtime.stats_table() for runtime in fn.vgraph.runtimes) for mode, fn in served.items()
+    }
+    return result
+
+
 def measure_encoder(device, peak, repeats, warmup, toy) -> dict:
     sizes = dict(width=64, depth=2, heads=4, mlp=96, positions=4096) if toy else {}
     model = So400mEncoder(**sizes).to(device, torch.bfloat16).eval()
@@ -164,10 +244,7 @@ def measure_encoder(device, peak, repeats, warmup, toy) -> dict:
         if toy:
             lengths = [max(length // 16, 8) for length in lengths]
         rows = sum(lengths)
-        patches = torch.randn(rows, 588, generator=counter).to(device, torch.bfloat16)
-        positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
-        cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device, torch.int32)
-        args = (patches, positions, cu, max(lengths))
+        args = encoder_args(lengths, device, counter)
         with torch.inference_mode():
             start = time.perf_counter()
             mine = served(*args)
@@ -199,8 +276,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="report path (default: benchmarks/results/large_images_<device>.json)")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new part after this many seconds")
     parser.add_argument("--toy", action="store_true", help="tiny models on the CPU: checks the script only")
+    parser.add_argument("--call-choice-mixes", type=int, default=0, help="random mixes for the call_choice part")
+    parser.add_argument("--call-choice-json", help="report path of the call_choice part")
     args = parser.parse_args(argv)
     begin = time.perf_counter()
+    timing_log = KernelTimingLog()
     device = torch.device("cpu" if args.toy else "cuda")
     repeats, warmup = (1, 0) if args.toy else (20, 3)
     peak = None if args.toy else matmul_peak_tflops()
@@ -218,6 +298,7 @@ def main(argv=None) -> dict:
             report["skipped"].append(family)
             continue
         report["towers"][family] = measure_tower(family, device, peak, repeats, warmup, args.toy, index == 0)
+        report["towers"][family]["kernel_timing_log"] = timing_log.take()
         print(family, report["towers"][family]["cases"], flush=True)
         write_report(report, path)
     if not args.no_encoder:
@@ -225,8 +306,19 @@ def main(argv=None) -> dict:
             report["skipped"].append("so400m_encoder")
         else:
             report["so400m_encoder"] = measure_encoder(device, peak, repeats, warmup, args.toy)
+            report["so400m_encoder"]["kernel_timing_log"] = timing_log.take()
             print(report["so400m_encoder"]["cases"], flush=True)
     write_report(report, path)
+    if args.call_choice_mixes:
+        if time.perf_counter() - begin > args.deadline_s:
+            report["skipped"].append("call_choice")
+        else:
+            choice = {"device": report["device"], "torch": report["torch"], "encoder": "So400mEncoder"}
+            choice.update(measure_call_choice(device, repeats, warmup, args.toy, args.call_choice_mixes))
+            choice["kernel_timing_log"] = timing_log.take()
+            write_report(choice, args.call_choice_json)
+            report["call_choice"] = args.call_choice_json
+            write_report(report, path)
     return report
 
 

@@ -218,3 +218,16 @@ def test_a_later_compile_of_the_tower_serves_from_its_saved_plan(towers, tmp_pat
             _assert_same(warm(pixel_values, grid_thw), ref)
         with pytest.raises(ValueError, match="hidden_states has 96 rows but grid_thw describes"):
             warm(pixel_values[:96], grid_thw)
+
+
+def test_the_window_group_is_sized_by_the_window_bound(towers, compiled):
+    """Qwen2.5-VL's window attention gets the window bound (not the token budget) and its full attention the frame
+    bound: the tower's ``cu_window_seqlens`` is found in the trace under TowerCall's input name."""
+    tower = compiled["qwen2.5-vl"]
+    with torch.inference_mode():
+        tower.warmup()
+    for bucket in tower.runtimes[0].buckets:
+        bounds = tower.geometry.bounds(bucket.shape.budget, 3, 6)
+        shapes = sorted(zip(bucket.shape.segments, bucket.shape.max_seqlen))
+        assert shapes == sorted([(bounds.windows, bounds.max_seqlen_window), (bounds.segments, bounds.max_seqlen_full)])
+        assert bounds.max_seqlen_window < bounds.max_seqlen_full

@@ -19,7 +19,7 @@ import functools
 import inspect
 import logging
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -94,6 +94,13 @@ class TowerCall(torch.nn.Module):
             values = value if isinstance(value, (list, tuple)) else (value,)
             flat.extend(tensor[0] if field.batched else tensor for tensor in values)
         return tuple(flat)
+
+
+def traced_window_offsets(config: VGraphConfig) -> tuple[str, ...]:
+    """``config.window_offsets`` (the tower's metadata keys, e.g. ``cu_window_seqlens``) as the trace of
+    ``TowerCall`` names those inputs (``metadata_<key>``, from its ``**metadata``): the names the analysis matches
+    to find the window group, which then gets the window bound instead of the token budget."""
+    return tuple(f"metadata_{key}" for key in config.window_offsets)
 
 
 def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
@@ -185,7 +192,8 @@ class CompiledVisionTower(TowerStandIn):
 
     def _reset(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
-        self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=self.vgraph_config)
+        config = replace(self.vgraph_config, window_offsets=traced_window_offsets(self.vgraph_config))
+        self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.__dict__["sequence_graphs"] = None
@@ -420,7 +428,7 @@ class CompiledVisionTower(TowerStandIn):
             return self.sequence_graphs
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         window_keys = self.vgraph_config.window_offsets
-        window_inputs = tuple(f"metadata_{key}" for key in window_keys)  # TowerCall's **metadata, as dynamo names it
+        window_inputs = traced_window_offsets(self.vgraph_config)
         config = sequence_parallel.sequence_config(self.vgraph_config, group.group_name, ranks, window_inputs)
 
         def localize(grid: Grid, metadata: dict[str, Any]) -> dict[str, Any]:
