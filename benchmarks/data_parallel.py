@@ -95,6 +95,16 @@ def _write(directory: str, report: dict[str, Any]) -> None:
             json.dump(report, handle)
 
 
+def _timed(device: torch.device, call) -> float:
+    """Milliseconds of ``call()``, from a barrier every rank passes to this rank's device being done."""
+    dist.barrier()
+    synchronize(device)
+    begin = time.perf_counter()
+    call()
+    synchronize(device)
+    return (time.perf_counter() - begin) * 1e3
+
+
 def _slowest(latencies: list[float]) -> list[float]:
     """Per request, the slowest rank's latency (every rank started it after a common barrier)."""
     every = [None] * dist.get_world_size()
@@ -137,12 +147,7 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
             latencies = []
             for index, grid in enumerate(four):
                 pixel_values, grid_thw = _inputs(grid, width, device, dtype, 1000 + index)
-                dist.barrier()
-                synchronize(device)
-                begin = time.perf_counter()
-                compiled(pixel_values, grid_thw)
-                synchronize(device)
-                latencies.append((time.perf_counter() - begin) * 1e3)
+                latencies.append(_timed(device, lambda: compiled(pixel_values, grid_thw)))
         patches = sum(t * h * w for grid in requests for t, h, w in grid)
         summary = Result(latencies_ms=_slowest(latencies)).summary()
         report.update(
@@ -201,12 +206,7 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
                         out = compiled(pixel_values, grid_thw)
                     latencies = []
                     for _ in range(args.sequence_repeats):
-                        dist.barrier()
-                        synchronize(device)
-                        begin = time.perf_counter()
-                        compiled(pixel_values, grid_thw)
-                        synchronize(device)
-                        latencies.append((time.perf_counter() - begin) * 1e3)
+                        latencies.append(_timed(device, lambda: compiled(pixel_values, grid_thw)))
                     summary = Result(latencies_ms=_slowest(latencies)).summary()
                     cases[case] = {"grid": grid, "slice_rows": sizes[case], "p50_ms": summary["p50_ms"],
                                    "mean_ms": summary["mean_ms"]}
