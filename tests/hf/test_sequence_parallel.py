@@ -64,6 +64,20 @@ def test_auto_chooses_sequence_when_one_item_dominates():
     assert choose(even, split_rows(tuple(even), PLAIN, 2, 4)) == "data"
 
 
+@pytest.mark.parametrize(
+    "family, reason",
+    [("paddleocr_vl", "takes pixel_values with a leading batch dim"), ("glm4v", "reads grid_thw inside its graph")],
+)
+def test_towers_a_slice_cannot_serve_are_refused(family, reason):
+    """A batched pixel layout, or a grid read inside the graph (indexed by segment, which a slice does not
+    renumber): parallel='sequence' is a ValueError naming why, before anything is traced."""
+    from vgraph_compile.hf import compile_vision_tower
+    from vgraph_compile.models.hf_families import build_tower
+
+    with pytest.raises(ValueError, match=f"parallel='sequence': .*{reason}; use parallel='data'"):
+        compile_vision_tower(build_tower(family, tiny=True), parallel="sequence", compiler="eager")
+
+
 # -- groups of processes (tests/hf/gloo_group.py) ----------------------------------------------------------------
 CASES = {
     "one image across the ranks": [(1, 16, 24)],
