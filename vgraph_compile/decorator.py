@@ -124,7 +124,7 @@ class CompiledEncoderFunction:
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             if self._first_call:
                 self._first_call = False
-                result = self._warm_start(args, kwargs)
+                result = self._warm_start(args, kwargs, key)
                 if result is not NotImplemented:
                     return result
             try:
@@ -144,7 +144,7 @@ class CompiledEncoderFunction:
                                     hot.layout)  # fmt: skip
         return result
 
-    def _warm_start(self, args: tuple, kwargs: dict) -> Any:
+    def _warm_start(self, args: tuple, kwargs: dict, key: Any) -> Any:
         """Serve the first call from a saved build plan, when there is one; NotImplemented otherwise (the call
         traces, and the plan is saved under the key computed here)."""
         config = self.vgraph.config
@@ -157,7 +157,7 @@ class CompiledEncoderFunction:
         runtime, arguments, layout = loaded
         self.vgraph.adopt(runtime)
         self._hot = _HotPath(runtime, arguments, layout)
-        return self._hot(args, kwargs)
+        return self._hot(args, kwargs, key)
 
     def _over_recompile_limit(self, args: tuple, kwargs: dict) -> Any:
         """Dynamo refuses another trace of this forward (its recompile limit): run it as written, counted."""

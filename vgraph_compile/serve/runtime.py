@@ -106,10 +106,8 @@ class VGraphRuntime:
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
-        self.measured = self.config.call_choice == "measured"
-        """Whether calls are routed by the cost table (``call_choice``)."""
         self.costs: CallCosts | None = None
-        """The table the per-call choice reads (measured at warm-up when ``measured``)."""
+        """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
         """Calls per choice (``PADDED``, ``SPLIT``, ``EAGER``) while a cost table is set."""
         self._splitter = Splitter(self.spec) if can_split(self.spec) else None
@@ -129,7 +127,7 @@ class VGraphRuntime:
         if self.encoder.captured:
             return False
         self.encoder.warmup()
-        if self.measured and self.buckets:
+        if self.config.call_choice == "measured" and self.buckets:
             self.costs = measure_call_costs(
                 self.buckets,
                 lambda bucket: bucket.run(self.encoder.compiled),
