@@ -115,6 +115,24 @@ def _towers_equal_stock(group):
         assert "sequence parallel:" in tower.stats_table()
 
 
+def _nan_image_leaves_the_others_equal(group):
+    """A NaN in one image's pixels, sequence parallel (the other image split across the ranks): the clean image's
+    merged rows equal the stock tower's on the same call and are finite; the poisoned image's are not all finite."""
+    grid = [(1, 8, 8), (1, 16, 8)]
+    for name in FAMILIES[dist.get_world_size(group)]:
+        tower = compiled(name, group)
+        pixel_values, grid_thw = inputs(tower, grid, 7)
+        pixel_values[3] = float("nan")
+        with parallel(tower, "sequence") as calls, torch.no_grad():
+            out, stock = tower(pixel_values, grid_thw), tower.tower(pixel_values, grid_thw)
+        assert calls == {"sequence": 1}
+        first = 8 * 8 // 4  # merged rows of the poisoned image
+        clean = out.pooler_output[first:]
+        assert clean.isfinite().all(), name
+        torch.testing.assert_close(clean, stock.pooler_output[first:], rtol=1e-5, atol=1e-5)
+        assert not out.pooler_output[:first].isfinite().all(), name
+
+
 def _auto_counts_choices_and_mismatch_raises(group):
     """auto: one dominant image goes sequence parallel, four equal ones data parallel, each counted; then item order
     differing on rank 0 raises on every rank, and the group serves the next call."""
@@ -145,13 +163,22 @@ def _vlm_greedy_tokens_equal_stock(group):
 
 
 CHECKS = {
-    2: [_towers_equal_stock, _auto_counts_choices_and_mismatch_raises, _vlm_greedy_tokens_equal_stock],
+    2: [
+        _towers_equal_stock,
+        _nan_image_leaves_the_others_equal,
+        _auto_counts_choices_and_mismatch_raises,
+        _vlm_greedy_tokens_equal_stock,
+    ],
     3: [_towers_equal_stock],
 }
 
 
 def test_towers_equal_stock(gloo_group):
     assert_passed(gloo_group, _towers_equal_stock, CHECKS)
+
+
+def test_nan_image_leaves_the_others_equal(gloo_group):
+    assert_passed(gloo_group, _nan_image_leaves_the_others_equal, CHECKS)
 
 
 def test_auto_counts_choices_and_mismatch_raises(gloo_group):
