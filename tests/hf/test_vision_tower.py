@@ -231,3 +231,24 @@ def test_the_window_group_is_sized_by_the_window_bound(towers, compiled):
         shapes = sorted(zip(bucket.shape.segments, bucket.shape.max_seqlen))
         assert shapes == sorted([(bounds.windows, bounds.max_seqlen_window), (bounds.segments, bounds.max_seqlen_full)])
         assert bounds.max_seqlen_window < bounds.max_seqlen_full
+
+
+def test_threads_with_their_own_grids_get_their_own_rows(towers, compiled):
+    """Four threads call one compiled tower, each with its own grid, repeatedly (each grid's metadata staged at its
+    first call and copied in after): every output equals that grid's single-threaded one."""
+    import concurrent.futures
+
+    tower = compiled["qwen2.5-vl"]
+    grids = [[(1, 8, 8)], [(1, 4, 12), (2, 4, 4)], [(1, 16, 8)], [(1, 8, 12), (1, 4, 4)]]
+    calls = [_inputs(towers["qwen2.5-vl"], grid) for grid in grids]
+    with torch.no_grad():
+        expected = [tower(*call) for call in calls]
+
+        def run(index):
+            return [tower(*calls[index]) for _ in range(5)]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(run, range(len(calls))))
+    for outs, ref in zip(results, expected):
+        for out in outs:
+            _assert_same(out, ref)
