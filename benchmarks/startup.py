@@ -14,9 +14,11 @@ library functions of each phase timed where they are called):
 Then peak memory (allocated and reserved, after warm-up and the two host cases), the tower's weights, the graph
 pool, and host time per call (call to return, GPU idle before each) of 1x224^2 and 1x1344^2. With ``--profile``,
 the warm process also profiles each case's host path (cProfile over 200 calls, GPU idle before each) and reports
-the functions that take the most host time per call.
+the functions that take the most host time per call. With ``--memory``, a third process starts warm with the
+allocator's history recorded and reports where its peak went (``bench.memory``: the live allocations at the peak by
+the code that made them, and the graphs' private pools), so the timed starts run without the recording.
 
-    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--profile]
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--profile] [--memory]
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ import sys
 import time
 
 import torch
-
-GIB = 2**30
 
 
 def _timed(module, name: str, phases: dict[str, float], phase: str) -> None:
@@ -70,12 +70,15 @@ def _profile(fn, calls: int, device: str) -> list[str]:
     ]
 
 
-def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
-    """One process's start of ``tower_kind``: total and phases, memory, host time per call."""
+def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool = False) -> dict:
+    """One process's start of ``tower_kind``: total and phases, memory, host time per call; ``memory``: with the
+    allocator's history recorded, and where its peak went."""
     import vgraph_compile.compile.buckets as buckets
     import vgraph_compile.compile.build as build
     import vgraph_compile.compile_backend as compile_backend
     import vgraph_compile.warm_start as warm_start
+    from vgraph_compile.bench.memory import GIB, peak_breakdown
+    from vgraph_compile.compile.buckets import pool_bytes
     from vgraph_compile.bench.timing import host_ms_per_call
     from vgraph_compile.bench.workload import CASES_PX, to_grid
     from vgraph_compile.counters import counters
@@ -95,6 +98,8 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        if memory:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     start = time.perf_counter()
     tower = compile_vision_tower(model, max_items=8, max_frames=16)
     with torch.inference_mode():
@@ -130,8 +135,12 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
             "device": torch.cuda.get_device_name(),
             "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
-            "pool_gib": round(sum(runtime.encoder.pool_bytes for runtime in tower.runtimes) / GIB, 3),
+            "pool_gib": round(pool_bytes() / GIB, 3),
+            "allocated_after_gib": round(torch.cuda.memory_allocated() / GIB, 3),
         }
+        if memory:
+            report["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
     return report
 
 
@@ -142,11 +151,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--resize", default="{}", help="config fields as JSON, for a small dry run")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
+    parser.add_argument("--memory", action="store_true", help="a third, warm process: where its peak memory went")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     resize = json.loads(args.resize)
     if args.one:
-        print(json.dumps(one_start(args.towers[0], resize, args.profile)))
+        print(json.dumps(one_start(args.towers[0], resize, args.profile, args.memory)))
         return {}
     report = {"torch": torch.__version__, "towers": {}}
     for kind in args.towers:
@@ -156,15 +166,14 @@ def main(argv: list[str] | None = None) -> dict:
         environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": directory}
         environment.pop("VGRAPH_ARTIFACT_DIR", None)
         starts = []
-        for start in ("cold", "warm"):
+        for start in ("cold", "warm", "memory") if args.memory else ("cold", "warm"):
             command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
-            if args.profile and start == "warm":
-                command.append("--profile")
+            command += {"warm": ["--profile"] if args.profile else [], "memory": ["--memory"]}.get(start, [])
             child = subprocess.run(command, capture_output=True, text=True, env=environment)
             if child.returncode != 0:
                 raise SystemExit(f"{kind}: the start failed:\n{child.stderr[-4000:]}")
             starts.append(json.loads(child.stdout.strip().splitlines()[-1]))
-        cold, warm = starts
+        cold, warm = starts[:2]
         report["towers"][kind] = {
             "cold_s": cold["start_s"],
             "warm_s": warm["start_s"],
@@ -173,7 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
             **{key: cold[key] for key in ("device", "peak_allocated_gib", "peak_reserved_gib", "pool_gib") if key in cold},
             "peak_warm_allocated_gib": warm.get("peak_allocated_gib"),
             "host_ms": warm["host_ms"],
+            "allocated_after_gib": cold.get("allocated_after_gib"),
             "counters": {"cold": cold["counters"], "warm": warm["counters"]},
+            **({"peak_breakdown": starts[2].get("peak_breakdown")} if args.memory else {}),
             **({"host_profile": warm["host_profile"]} if "host_profile" in warm else {}),
         }
         print(json.dumps({kind: report["towers"][kind]}), flush=True)

@@ -177,9 +177,21 @@ def _region_layout(
     return offsets, end
 
 
-def capture(buckets: list[Bucket], compiled: CompiledFn, roles: dict[int, Role]) -> list[Bucket]:
-    """Record one CUDA graph per bucket, largest first, into one pool; returns the buckets captured."""
-    pool = torch.cuda.graph_pool_handle()
+def pool_bytes(pool: tuple[int, int] | None = None) -> int:
+    """Device bytes the caching allocator holds in the private pool ``pool`` (a ``graph_pool_handle``), or in
+    every private pool (every CUDA graph's) if None; the general cache is not counted."""
+    total = 0
+    for segment in torch.cuda.memory_snapshot():
+        owner = tuple(segment.get("segment_pool_id", (0, 0)))
+        if owner != (0, 0) and (pool is None or owner == tuple(pool)):
+            total += segment["total_size"]
+    return total
+
+
+def capture(
+    buckets: list[Bucket], compiled: CompiledFn, roles: dict[int, Role], pool: tuple[int, int]
+) -> list[Bucket]:
+    """Record one CUDA graph per bucket, largest first, into ``pool``; returns the buckets captured."""
     side = torch.cuda.Stream()
     captured = []
     largest_first = sorted(buckets, key=lambda bucket: -bucket.shape.budget)

@@ -107,7 +107,7 @@ class CompiledEncoder:
     roles: dict[int, Role]
     """Role of each input filled per call, by graph input index."""
     pool_bytes: int = 0
-    """Device memory the capture reserved (the graphs' shared pool and the warm-up runs)."""
+    """Device memory the graphs' shared pool holds after every capture."""
     captured: bool = False
     """Whether ``warmup`` ran (the buckets list is final)."""
     strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
@@ -127,10 +127,10 @@ class CompiledEncoder:
             if self.captured:
                 return
             if self.cudagraphs:
-                reserved = torch.cuda.memory_reserved()
+                pool = torch.cuda.graph_pool_handle()
                 with torch.inference_mode(False):
-                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles)
-                self.pool_bytes = torch.cuda.memory_reserved() - reserved
+                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles, pool)
+                self.pool_bytes = bucket_graphs.pool_bytes(pool)
             self.captured = True
 
     def share_strided(self) -> None:
