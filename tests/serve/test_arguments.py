@@ -1,6 +1,9 @@
 """The hot path's argument reading: graph inputs from the call's own arguments, retrace-worthy calls told apart,
 the encoder's return value rebuilt from the runtime's outputs."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -56,3 +59,21 @@ def test_output_layout_matches_by_identity():
     assert isinstance(rebuilt, tuple) and isinstance(rebuilt[1], list) and rebuilt[1][1] is None
     torch.testing.assert_close(rebuilt[0], b + 1)
     assert OutputLayout.match(torch.zeros(1), [a, b]) is None  # a tensor that is no graph output
+
+
+def test_rebuilt_outputs_die_with_their_last_reference_not_at_the_next_collection():
+    """A reference cycle around a call's outputs keeps the device memory of every call until the cyclic garbage
+    collector runs: the outputs must be freed as soon as the caller drops them."""
+    a, b = torch.zeros(2), torch.ones(3)
+    layout = OutputLayout.match((b, [a, None]), [a, b])
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        outputs = [torch.zeros(4), torch.ones(5)]
+        rebuilt = layout.build(outputs)
+        alive = [weakref.ref(tensor) for tensor in outputs]
+        del outputs, rebuilt
+        assert [ref() for ref in alive] == [None, None]
+    finally:
+        if enabled:
+            gc.enable()

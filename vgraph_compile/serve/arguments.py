@@ -204,32 +204,36 @@ class OutputLayout:
     @classmethod
     def match(cls, result: Any, outputs: Sequence[Any]) -> "OutputLayout | None":
         """The layout of ``result`` over ``outputs`` (by identity); None when something else is returned."""
-
-        def find(value):
-            if isinstance(value, torch.Tensor):
-                for index, output in enumerate(outputs):
-                    if output is value:
-                        return index
-                raise _Unsupported("a tensor that is not a graph output")
-            if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-                return type(value), tuple(find(item) for item in value)
-            if value is None:
-                return None
-            raise _Unsupported(f"a {type(value).__name__}")
-
         try:
-            return cls(find(result))
+            return cls(_find(result, outputs))
         except _Unsupported as why:
             log.info("the encoder keeps dynamo on every call: it returns %s", why)
             return None
 
     def build(self, outputs: Sequence[Any]) -> Any:
-        def make(layout):
-            if layout is None:
-                return None
-            if isinstance(layout, int):
-                return outputs[layout]
-            kind, items = layout
-            return kind(make(item) for item in items)
+        """The returned structure over ``outputs``. ``_find`` and ``_build`` are module functions, not closures: a
+        nested function that calls itself is a reference cycle, which would keep every call's outputs alive until
+        the cyclic garbage collector runs (gigabytes of device memory between collections)."""
+        return _build(self.layout, outputs)
 
-        return make(self.layout)
+
+def _find(value: Any, outputs: Sequence[Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        for index, output in enumerate(outputs):
+            if output is value:
+                return index
+        raise _Unsupported("a tensor that is not a graph output")
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value), tuple(_find(item, outputs) for item in value)
+    if value is None:
+        return None
+    raise _Unsupported(f"a {type(value).__name__}")
+
+
+def _build(layout: Any, outputs: Sequence[Any]) -> Any:
+    if layout is None:
+        return None
+    if isinstance(layout, int):
+        return outputs[layout]
+    kind, items = layout
+    return kind(_build(item, outputs) for item in items)
