@@ -6,12 +6,15 @@ and the replay is timed (CUDA events, median); kernels named in ``--plain`` are 
 and each row says which. Kernels that read across segment edges (``sdpa``, ``flex``, ``fa4``) run confined, as
 kept; their row also gives the kernel alone (``bare_*``: the module's ``unconfined`` plus the op's zeroing of
 padding rows, which lets a NaN through) and the confinement's share of the kernel's time. Each case also times the
-confinement alone (confine k/v + mark the output) as Triton kernels and as the torch reference. At head_dim 72,
+confinement alone (confine k/v + the epilogue that marks poisoned rows and zeroes padding rows) as Triton kernels
+and as the torch reference, against a copy of k and v (its memory floor), with its share of every kernel's time
+measured in the same case; and the op's zeroing of padding rows as the epilogue and as ``masked_fill_``. At head_dim 72,
 ``fa4`` is also run on q/k/v zero-padded to 80 and 96 (``fa4 padded to N``: the padding copies included).
 Shapes: one 1344^2 image (1x9216 patches), one 1792^2 image (1x12544), 4x336^2 (4x2304), 16 small segments (16x256),
 Qwen2.5-VL's window attention (window_size 112 px / patch 14 = 8x8 patches = 64 rows per full window) for
 1344^2 (144x64), 4x336^2 (36x64) and 280^2 (edge windows of 32 and 16 rows), and an 8192-row bucket holding
-four images and 12 empty segments (``max_seqlen`` = the bucket). ``sdpa_dense_cudnn`` is the reference the
+four images and 12 empty segments (``max_seqlen`` = the bucket), and the 14,212-row bucket Qwen3-VL serves one
+1792^2 image in (12,544 rows, 16 segment slots). ``sdpa_dense_cudnn`` is the reference the
 stock towers get: SDPA forced to cuDNN on a dense batch of equal-length segments (equal-length shapes only).
 
     python benchmarks/attention_kernels.py [--kernels cudnn torch_varlen ...] [--cases 1x9216 ...]
@@ -37,8 +40,8 @@ from vgraph_compile.kernels.segments import (
     confine_nonfinite,
     confine_nonfinite_reference,
     cu_seqlens,
-    mark_poisoned,
-    mark_poisoned_reference,
+    finish_output,
+    finish_output_reference,
 )
 
 HEADS = 16
@@ -66,6 +69,7 @@ CASES: dict[str, tuple[list[int], int, int]] = {
     "win 36x64 (4x336^2)": (window_lengths(336, 336, 4), 2304, 36),
     "win 9 (280^2)": (window_lengths(280, 280), 400, 9),
     "bucket 8192: 4 real + 12 empty": ([4096, 2304, 1024, 576], 8192, 16),
+    "bucket 14212: 1x12544 + 15 empty": ([12544], 14212, 16),
 }
 """name -> (real segment lengths, rows in the buffer, segment slots); slots beyond the real segments are empty."""
 
@@ -103,9 +107,7 @@ def _bare_call(name: str):
         return None
 
     def bare(q, k, v, cu, m):
-        out = unconfined(q, k, v, cu, m, None).contiguous()
-        rows = torch.arange(q.shape[0], device=q.device, dtype=cu.dtype)
-        return out.masked_fill_((rows >= cu[-1])[:, None, None], 0)
+        return finish_output(unconfined(q, k, v, cu, m, None).contiguous(), cu)
 
     return bare
 
@@ -161,21 +163,45 @@ def measure(call, inputs, reference, lengths, repeats, capture=True) -> dict:
 
 
 def measure_confinement(inputs, repeats) -> dict:
-    """The confinement alone on clean k/v: confine + mark (into a kept output buffer), Triton and torch."""
+    """The confinement alone on clean k/v: confine + epilogue (into a kept output buffer), Triton and torch; the
+    memory floor it is held to (copies of k and v: the bytes the confine pass reads and writes); and the op's
+    zeroing of padding rows for an unconfined kernel, as the epilogue without flags and as ``masked_fill_``."""
     q, k, v, cu, _ = inputs
     out = torch.empty_like(q)
 
     def fused():
         _, _, poisoned = confine_nonfinite(k, v, cu)
-        mark_poisoned(out, cu, poisoned)
+        finish_output(out, cu, poisoned)
 
     def reference():
         _, _, poisoned = confine_nonfinite_reference(k, v, cu)
-        mark_poisoned_reference(out, cu, poisoned)
+        finish_output_reference(out, cu, poisoned)
 
-    fused_ms, _ = _timed(fused, repeats, True)
-    reference_ms, _ = _timed(reference, repeats, True)
-    return {"triton_ms": round(fused_ms, 4), "torch_ms": round(reference_ms, 4), "mode": "cuda_graph_replay"}
+    def masked_fill():
+        rows = torch.arange(out.shape[0], device=out.device, dtype=cu.dtype)
+        out.masked_fill_((rows >= cu[-1])[:, None, None], 0)
+
+    timed = {
+        "triton_ms": fused,
+        "torch_ms": reference,
+        "copy_k_v_floor_ms": lambda: (k.clone(), v.clone()),
+        "padding_epilogue_ms": lambda: finish_output(out, cu),
+        "padding_masked_fill_ms": masked_fill,
+    }
+    row = {name: round(_timed(fn, repeats, True)[0], 4) for name, fn in timed.items()}
+    return {**row, "mode": "cuda_graph_replay"}
+
+
+def confinement_shares(results: dict) -> dict:
+    """The confinement's time over each kernel's (the bare kernel's, for a confining one) in this case."""
+    confinement = results.get(CONFINEMENT, {})
+    if "triton_ms" not in confinement:
+        return {}
+    return {
+        f"share_of_{name}": round(confinement["triton_ms"] / row.get("bare_ms", row["ms"]), 4)
+        for name, row in results.items()
+        if name != CONFINEMENT and "ms" in row
+    }
 
 
 def measure_dense(lengths, head_dim, repeats) -> dict | None:
@@ -259,6 +285,7 @@ def run(kernels: list[str], cases: list[str], head_dims: list[int], repeats: int
             dense = measure_dense(lengths, head_dim, repeats)
             if dense is not None:
                 results[DENSE] = dense
+            results.get(CONFINEMENT, {}).update(confinement_shares(results))
             print(key, {name: row.get("ms", row.get("triton_ms", row.get("error"))) for name, row in results.items()})
             write_report(report, json_path)
     return report

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from tests.kernels.test_segments import check_isolation, confinement_cases, poisoned_calls
+from tests.kernels.test_segments import check_finished, check_isolation, confinement_cases, poisoned_calls
 from tests.helpers import run_backend, segment_reference
 from vgraph_compile.compile import kernel_timing
 from vgraph_compile.kernels import registry
@@ -14,8 +14,8 @@ from vgraph_compile.kernels.segments import (
     confine_nonfinite,
     confine_nonfinite_reference,
     cu_seqlens,
-    mark_poisoned,
-    mark_poisoned_reference,
+    finish_output,
+    finish_output_reference,
 )
 
 pytestmark = pytest.mark.gpu
@@ -79,8 +79,8 @@ def _on_cuda(case, dtype, strided):
 @pytest.mark.parametrize("strided", [False, True])
 @given(case=confinement_cases())
 def test_triton_confinement_equals_the_torch_reference(dtype, strided, case):
-    """Zeroed k/v bit for bit, the same poisoned flags, and the same marked output (NaN in the same places,
-    every other entry unchanged)."""
+    """Zeroed k/v bit for bit, the same poisoned flags, and the same finished output (NaN in the same places,
+    padding rows zero, every other entry unchanged), with flags and without."""
     k, v, cu = _on_cuda(case, dtype, strided)
     if k.shape[0] == 0:
         return
@@ -89,30 +89,34 @@ def test_triton_confinement_equals_the_torch_reference(dtype, strided, case):
     assert torch.equal(confined_k, expected_k) and torch.equal(confined_v, expected_v)
     assert torch.equal(poisoned.bool(), expected_poisoned)
     out = torch.randn(k.shape, device=CUDA, dtype=dtype)
-    expected = mark_poisoned_reference(out, cu, expected_poisoned)
-    marked = mark_poisoned(out.clone(), cu, poisoned)
-    assert torch.equal(marked.isnan(), expected.isnan())
-    assert torch.equal(marked.nan_to_num(0.0), expected.nan_to_num(0.0))
+    out[int(cu[-1]) :] = float("nan")
+    for flags, expected_flags in ((poisoned, expected_poisoned), (None, None)):
+        expected = finish_output_reference(out, cu, expected_flags)
+        finished = finish_output(out.clone(), cu, flags)
+        assert torch.equal(finished.isnan(), expected.isnan())
+        assert torch.equal(finished.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
 def test_triton_confinement_replays_in_a_cuda_graph():
-    """Captured once, replayed with new offsets and new NaN/Inf positions: each replay equals the reference on the
-    replay's inputs (the flags are reset inside the graph; nothing is decided on the host)."""
+    """Captured once, replayed with new offsets and new NaN/Inf positions (padding rows included): each replay
+    equals the reference on the replay's inputs (the flags are reset inside the graph; nothing is decided on the
+    host, and the epilogue's skip on clean input is decided on the device)."""
     rows, heads, head_dim = 2048, 4, 72
     k, v = (torch.randn(rows, heads, head_dim, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
     cu = torch.tensor([0, 700, 700, 1900], device=CUDA, dtype=torch.int32)
     out = torch.randn(rows, heads, head_dim, device=CUDA, dtype=torch.bfloat16)
     confine_nonfinite(k, v, cu)  # compile outside the capture
-    mark_poisoned(out.clone(), cu, torch.zeros(4, heads, device=CUDA, dtype=torch.int32))
+    finish_output(out.clone(), cu, torch.zeros(4, heads, device=CUDA, dtype=torch.int32))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         confined_k, confined_v, poisoned = confine_nonfinite(k, v, cu)
-        marked = mark_poisoned(out.clone(), cu, poisoned)
+        finished = finish_output(out.clone(), cu, poisoned)
     for offsets, planted in (
         ([0, 700, 700, 1900], [(1, 5, 1, float("nan"))]),
         ([0, 64, 1000, 1008], [(0, 1003, 3, float("inf")), (1, 2000, 0, float("nan"))]),
         ([0, 2048, 2048, 2048], []),
+        ([0, 100, 200, 300], [(1, 1500, 2, float("nan"))]),
         ([0, 0, 0, 0], [(0, 10, 2, float("-inf"))]),
     ):
         cu.copy_(torch.tensor(offsets, dtype=torch.int32))
@@ -124,7 +128,36 @@ def test_triton_confinement_replays_in_a_cuda_graph():
         expected_k, expected_v, expected_poisoned = confine_nonfinite_reference(k, v, cu)
         assert torch.equal(confined_k, expected_k) and torch.equal(confined_v, expected_v)
         assert torch.equal(poisoned.bool(), expected_poisoned)
-        assert torch.equal(marked.isnan(), mark_poisoned_reference(out, cu, expected_poisoned).isnan())
+        check_finished(finished, out, cu, expected_poisoned)
+
+
+@pytest.mark.parametrize("head_dim", [72, 80])
+@pytest.mark.parametrize("lengths", [[1, 0, 300, 129, 2000, 7], [512] * 4], ids=["ragged", "equal"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_confined_kernel_keeps_other_segments_bit_identical(head_dim, lengths, value):
+    """A confined kernel (``sdpa``) at a tower's head dim, 16 heads, bf16, NaN padding rows up to 4096: a NaN/Inf
+    planted in one segment's k and another in its v leave every other segment's rows bit-identical to the clean
+    run; the poisoned segment's two heads are NaN, its other heads equal the clean run; padding rows are zero."""
+    generator = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(4096, 16, head_dim, generator=generator).to(CUDA, torch.bfloat16) for _ in range(3))
+    cu = cu_seqlens(lengths, CUDA)
+    end = sum(lengths)
+    for t in (q, k, v):
+        t[end:] = float("nan")
+    clean = run_backend("sdpa", q, k, v, cu, max(lengths))
+    segment = max(range(len(lengths)), key=lambda index: lengths[index])
+    start, stop = int(cu[segment]), int(cu[segment + 1])
+    k, v = k.clone(), v.clone()
+    k[start + 3, 5, 7] = value
+    v[stop - 1, 11, 0] = value
+    dirty = run_backend("sdpa", q, k, v, cu, max(lengths))
+    others = torch.ones(4096, dtype=torch.bool, device=CUDA)
+    others[start:stop] = False
+    assert torch.equal(dirty[others], clean[others])
+    assert dirty[start:stop, [5, 11]].isnan().all()
+    kept = [head for head in range(16) if head not in (5, 11)]
+    assert torch.equal(dirty[start:stop, kept], clean[start:stop, kept])
+    assert dirty[end:].eq(0).all() and clean[end:].eq(0).all()
 
 
 @pytest.mark.parametrize("head_dim", [72, 80])

@@ -11,7 +11,7 @@ from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import (
     confine_nonfinite_reference,
     confined,
-    mark_poisoned_reference,
+    finish_output_reference,
     segment_ids,
 )
 
@@ -78,16 +78,18 @@ def confinement_cases(draw):
 
 
 def expected_poisoned(k, v, cu):
-    """Per segment (and the rows past the last offset), per head: whether any k or v entry there is non-finite."""
-    bounds = [*cu.tolist(), k.shape[0]]
+    """Per segment, per head: whether any k or v entry there is non-finite; then a last row, per head, whether any
+    segment's is (the rows past the last offset count for neither)."""
+    bounds = cu.tolist()
     bad = ~(k.isfinite() & v.isfinite()).all(-1)
-    return torch.stack([bad[start:end].any(0) for start, end in zip(bounds, bounds[1:])])
+    per_segment = torch.stack([bad[start:end].any(0) for start, end in zip(bounds, bounds[1:])])
+    return torch.cat([per_segment, per_segment.any(0, keepdim=True)])
 
 
 @given(case=confinement_cases())
 def test_confine_nonfinite_zeroes_nonfinite_entries_and_flags_their_segments(case):
     """Finite entries pass bit for bit, non-finite ones become 0, and exactly the segments (and heads) holding
-    one are flagged; empty segments never are."""
+    one are flagged; empty segments and the padding rows never are."""
     k, v, cu = case
     confined_k, confined_v, poisoned = confine_nonfinite_reference(k, v, cu)
     for before, after in ((k, confined_k), (v, confined_v)):
@@ -95,16 +97,24 @@ def test_confine_nonfinite_zeroes_nonfinite_entries_and_flags_their_segments(cas
     assert torch.equal(poisoned, expected_poisoned(k, v, cu))
 
 
+def check_finished(finished, out, cu, poisoned):
+    """NaN on every row of a flagged segment in the flagged head, exact zeros on the rows past the last offset,
+    every other entry of ``out`` unchanged, bit for bit."""
+    end = int(cu[-1])
+    rows_flagged = poisoned[:-1][segment_ids(cu, end)].unsqueeze(-1).expand_as(out[:end])
+    assert finished[:end][rows_flagged].isnan().all()
+    assert torch.equal(finished[:end][~rows_flagged], out[:end][~rows_flagged])
+    assert finished[end:].eq(0).all()
+
+
 @given(case=confinement_cases())
-def test_mark_poisoned_writes_nan_on_poisoned_rows_only(case):
-    """NaN on every row of a flagged segment in the flagged head; every other entry unchanged, bit for bit."""
+def test_finish_output_marks_poisoned_rows_and_zeroes_padding_rows(case):
     k, v, cu = case
     poisoned = expected_poisoned(k, v, cu)
     out = torch.randn(k.shape)
-    marked = mark_poisoned_reference(out, cu, poisoned)
-    rows_flagged = poisoned[segment_ids(cu, out.shape[0])].unsqueeze(-1).expand_as(out)
-    assert marked[rows_flagged].isnan().all()
-    assert torch.equal(marked[~rows_flagged], out[~rows_flagged])
+    out[int(cu[-1]) :] = float("nan")
+    check_finished(finish_output_reference(out, cu, poisoned), out, cu, poisoned)
+    check_finished(finish_output_reference(out, cu), out, cu, torch.zeros_like(poisoned))
 
 
 @given(call=poisoned_calls())
@@ -119,6 +129,8 @@ def test_confined_kernel_is_nan_in_the_poisoned_segment_only(call):
     start, end = int(cu[poisoned]), int(cu[poisoned + 1])
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[start:end] = False
+    others[int(cu[-1]) :] = False
     assert torch.equal(out[others], expected[others])
+    assert out[int(cu[-1]) :].eq(0).all(), "rows past the last offset are exact zeros"
     if tensor != 0:
         assert out[start:end, row % out.shape[1]].isnan().all()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vgraph_compile.kernels import registry
+from vgraph_compile.kernels.segments import finish_output
 from vgraph_compile.kernels.sequence import sequence_attention
 
 __all__ = ["varlen_attention", "VARLEN_ATTENTION", "packed_varlen_attention", "PACKED_VARLEN_ATTENTION"]
@@ -49,8 +50,7 @@ def _varlen_attention(
 
     def attend(q, k, v, cu_seqlens, max_seqlen):
         out = _at_supported_head_dim(resolved, q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
-        rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
-        return out.masked_fill_((rows >= cu_seqlens[-1])[:, None, None], 0)
+        return out if resolved.confined else finish_output(out, cu_seqlens)
 
     if sequence_ranks > 1:
         return sequence_attention(attend, q, k, v, cu_seqlens, sequence_group, sequence_ranks)

@@ -2,12 +2,12 @@
 
 Every backend computes the same function on packed ``[tokens, heads, head_dim]`` tensors: rows of segment ``i``
 (``cu_seqlens[i] <= row < cu_seqlens[i + 1]``) attend to the rows of the same segment only. Rows at or past
-``cu_seqlens[-1]`` belong to no segment; the op zeroes them after the backend runs, so what a kernel leaves there
-never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels that
-multiply across segments under a mask (``sdpa``, ``flex``, and ``fa4``, whose key tiles cross segment edges) pass
-k/v through ``segments.confined``; the other varlen kernels (``torch_varlen``, ``cudnn``, ``flashinfer``)
-read each segment's own rows only. Backends must not synchronise with the host: they run inside captured CUDA
-graphs.
+``cu_seqlens[-1]`` belong to no segment; they come out zero (``segments.finish_output``), so what a kernel leaves
+there never leaks. No real row of one segment may depend on any value of another, NaN and Inf included: kernels
+that multiply across segments under a mask (``sdpa``, ``flex``, and ``fa4``, whose key tiles cross segment edges)
+run ``segments.confined``, whose epilogue also zeroes the padding rows; for the other varlen kernels
+(``torch_varlen``, ``cudnn``, ``flashinfer``), which read each segment's own rows only, the op zeroes them.
+Backends must not synchronise with the host: they run inside captured CUDA graphs.
 
 Optional kernels are imported lazily, so a missing package is reported when that backend is chosen, not at import.
 """
@@ -46,6 +46,9 @@ class AttentionBackend:
     """Whether ``attention_backend="auto"`` times this kernel on a GPU (``compile/kernel_timing.py``). Not: the
     CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
     kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
+    confined: bool = False
+    """The module's ``attention`` is ``segments.confined(unconfined)``: its output already has the padding rows
+    zeroed, so the op does not zero them again."""
     head_dims: tuple[int, ...] | None = None
     """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
     output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
@@ -141,7 +144,7 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
 
 
 BACKENDS: dict[str, AttentionBackend] = {
-    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False),
+    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False, confined=True),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
     "cudnn": AttentionBackend(
         "cudnn",
@@ -156,12 +159,15 @@ BACKENDS: dict[str, AttentionBackend] = {
         _hopper_half_kernel,
         package=("flash_attn.cute", "flash-attn-4"),
         head_dims=tuple(range(8, 129, 8)),
+        confined=True,
     ),
     "flashinfer": AttentionBackend(
         "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
     ),
     "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
-    "flex": AttentionBackend("flex", "flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False),
+    "flex": AttentionBackend(
+        "flex", "flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False, confined=True
+    ),
 }
 
 

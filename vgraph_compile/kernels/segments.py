@@ -6,17 +6,20 @@ mask was added, and a zero attention weight times a NaN or Inf value is NaN. Con
 steps around the kernel:
 
 - ``confine_nonfinite`` gives the kernel k/v with every non-finite entry replaced by 0, which a masked pair then
-  multiplies by an exact zero weight, and each segment's poisoned heads (``[segments + 1, heads]``, nonzero where
-  the segment's k or v holds a NaN/Inf in that head; the last slot is the rows past ``cu_seqlens[-1]``);
-- ``mark_poisoned`` writes NaN into the kernel's output on every row of a poisoned segment, in that head only.
+  multiplies by an exact zero weight, and flags ``[segments + 1, heads]``: row ``i < segments`` nonzero where
+  segment ``i``'s k or v holds a NaN/Inf in that head, the last row nonzero where some segment's does (rows past
+  ``cu_seqlens[-1]`` are never flagged: they come out zero);
+- ``finish_output`` (the epilogue) writes NaN into the kernel's output on every row of a poisoned segment, in that
+  head only, and zeros on the rows past ``cu_seqlens[-1]``.
 
-So the other segments' rows come out bit-identical to a run on clean input, and a poisoned segment's head is NaN:
-a NaN never passes, and an Inf is poisoned on purpose even where eager attention would stay finite.
+So the other segments' rows come out bit-identical to a run on clean input, a poisoned segment's head is NaN (a NaN
+never passes, and an Inf is poisoned on purpose even where eager attention would stay finite), and padding rows are
+exactly zero. Without flags, ``finish_output`` is the op's zeroing of padding rows for every kernel.
 
 On CUDA both steps are Triton kernels (``confine_triton``): one pass that reads k and v once and writes their
-zeroed copies, and a pass that stores NaN on the poisoned rows only (it does not read the output). Elsewhere, or
-without Triton, the torch functions below run; they are also the reference the Triton kernels are tested against.
-Neither synchronises with the host.
+zeroed copies, and an epilogue that stores on the padding rows and the poisoned rows only (it does not read the
+output; on clean input it touches the padding rows alone). Elsewhere, or without Triton, the torch functions below
+run; they are also the reference the Triton kernels are tested against. Neither synchronises with the host.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cu_seqlens", "segment_ids", "confine_nonfinite"]
+__all__ = ["cu_seqlens", "segment_ids", "confine_nonfinite", "finish_output", "confined"]
 
 
 def cu_seqlens(lengths, device: torch.device | str | None = None) -> torch.Tensor:
@@ -58,7 +61,8 @@ def confine_nonfinite(
     k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(k, v, poisoned)``: k and v with non-finite entries zeroed (fresh tensors; the inputs are not changed),
-    and ``[segments + 1, heads]`` flags, nonzero where a segment's k or v holds a NaN/Inf in that head."""
+    and ``[segments + 1, heads]`` flags: row ``i < segments`` nonzero where segment ``i``'s k or v holds a NaN/Inf
+    in that head, the last row where some segment's does (rows past ``cu_seqlens[-1]`` are not flagged)."""
     if _fused(k):
         from vgraph_compile.kernels import confine_triton
 
@@ -66,15 +70,18 @@ def confine_nonfinite(
     return confine_nonfinite_reference(k, v, cu_seqlens)
 
 
-def mark_poisoned(out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor) -> torch.Tensor:
-    """``out`` (``[rows, heads, head_dim]``, a fresh kernel output) with NaN on every row of a segment whose
-    ``poisoned`` flag is set in that head; every other entry is unchanged, bit for bit. On CUDA ``out`` is
-    written in place and returned."""
+def finish_output(
+    out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out`` (``[rows, heads, head_dim]``, a fresh kernel output) with zeros on the rows at or past
+    ``cu_seqlens[-1]`` and, given ``poisoned`` flags (``confine_nonfinite``'s), NaN on every row of a segment
+    flagged in that head; every other entry is unchanged, bit for bit. On CUDA ``out`` is written in place and
+    returned."""
     if _fused(out):
         from vgraph_compile.kernels import confine_triton
 
-        return confine_triton.mark(out, cu_seqlens, poisoned)
-    return mark_poisoned_reference(out, cu_seqlens, poisoned)
+        return confine_triton.finish(out, cu_seqlens, poisoned)
+    return finish_output_reference(out, cu_seqlens, poisoned)
 
 
 def confine_nonfinite_reference(
@@ -82,27 +89,32 @@ def confine_nonfinite_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``confine_nonfinite`` in torch ops: per-row flags, then a prefix sum over rows gives each segment's count
     of non-finite rows per head (no atomics)."""
-    rows = k.shape[0]
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     counts = F.pad(bad.cumsum(0, dtype=torch.int32), (0, 0, 1, 0))
-    bounds = F.pad(cu_seqlens, (0, 1), value=rows).long()
-    poisoned = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
+    bounds = cu_seqlens.long()
+    per_segment = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
+    poisoned = torch.cat([per_segment, per_segment.any(0, keepdim=True)])
     return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), poisoned
 
 
-def mark_poisoned_reference(out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor) -> torch.Tensor:
-    """``mark_poisoned`` in torch ops (out of place)."""
-    rows_poisoned = poisoned.bool()[segment_ids(cu_seqlens, out.shape[0])]
-    return out.masked_fill(rows_poisoned.unsqueeze(-1), float("nan"))
+def finish_output_reference(
+    out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``finish_output`` in torch ops (out of place)."""
+    ids = segment_ids(cu_seqlens, out.shape[0])
+    if poisoned is not None:
+        rows_poisoned = F.pad(poisoned.bool()[:-1], (0, 0, 0, 1))[ids]
+        out = out.masked_fill(rows_poisoned.unsqueeze(-1), float("nan"))
+    return out.masked_fill((ids == cu_seqlens.shape[0] - 1)[:, None, None], 0)
 
 
 def confined(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``kernel`` (an ``attention(q, k, v, cu_seqlens, max_seqlen, scale)`` that reads across segment edges)
-    given confined k/v, its output marked NaN on the poisoned segments' heads."""
+    given confined k/v, its output marked NaN on the poisoned segments' heads and zero past ``cu_seqlens[-1]``."""
 
     @functools.wraps(kernel)
     def attention(q, k, v, cu_seqlens, max_seqlen, scale):
         k, v, poisoned = confine_nonfinite(k, v, cu_seqlens)
-        return mark_poisoned(kernel(q, k, v, cu_seqlens, max_seqlen, scale), cu_seqlens, poisoned)
+        return finish_output(kernel(q, k, v, cu_seqlens, max_seqlen, scale), cu_seqlens, poisoned)
 
     return attention
