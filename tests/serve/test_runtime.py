@@ -314,11 +314,12 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     every later one go to the next larger bucket."""
     from vgraph_compile.compile import buckets as bucket_graphs
 
-    def capture_dropping_the_smallest(buckets, compiled, roles):
+    def capture_dropping_the_smallest(buckets, compiled, roles, pool):
         return sorted(buckets, key=lambda bucket: bucket.shape.budget)[1:]
 
     monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    monkeypatch.setattr(bucket_graphs, "pool_bytes", lambda pool: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
     compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
     with monkeypatch.context() as patch:
         patch.setattr("vgraph_compile.compile.build._cudagraphs", lambda ctx: True)
