@@ -18,7 +18,12 @@ the functions that take the most host time per call. With ``--memory``, a third 
 allocator's history recorded and reports where its peak went (``bench.memory``: the live allocations at the peak by
 the code that made them, and the graphs' private pools), so the timed starts run without the recording.
 
+With ``--host-only``, one process per tower on its cache directory (which may exist: a second run serves from
+the saved build plan) measures the host time per call alone, with no start-up phases, plus the host time of a
+bare ``replay()`` of the bucket that serves each case (``replay_us``), and its device time (``device_ms``).
+
     python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--profile] [--memory]
+    python benchmarks/startup.py qwen2-vl --cache-dir /tmp/startup --host-only --json PATH [--profile]
 """
 
 from __future__ import annotations
@@ -80,7 +85,6 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
     from vgraph_compile.bench.memory import GIB, peak_breakdown
     from vgraph_compile.compile.buckets import pool_bytes
     from vgraph_compile.bench.timing import host_ms_per_call
-    from vgraph_compile.bench.workload import CASES_PX, to_grid
     from vgraph_compile.counters import counters
     from vgraph_compile.hf import compile_vision_tower
     from vgraph_compile.models.qwen_towers import qwen_tower
@@ -109,14 +113,10 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
     total = time.perf_counter() - start
     phases["trace"] = total - sum(phases.values())
 
-    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
     host_ms, profiles = {}, {}
     with torch.inference_mode():
         for case in ("1x224^2", "1x1344^2"):
-            grid_thw = torch.tensor(
-                to_grid(CASES_PX[case], config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
-            )
-            x = torch.randn(int(grid_thw.prod(-1).sum()), width, device=device, dtype=torch.bfloat16)
+            x, grid_thw = _case_input(config, case, device)
             host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
             host_ms[case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
             if profile:
@@ -144,6 +144,52 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
     return report
 
 
+def _case_input(config, case: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from vgraph_compile.bench.workload import CASES_PX, to_grid
+
+    grid_thw = torch.tensor(
+        to_grid(CASES_PX[case], config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
+    )
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    x = torch.randn(int(grid_thw.prod(-1).sum()), width, device=device, dtype=torch.bfloat16)
+    return x, grid_thw
+
+
+def host_only(tower_kind: str, resize: dict, profile: bool = False) -> dict:
+    """Host time per call of ``tower_kind`` in this process (traced, or served from a saved plan), and per case
+    the bare replay of the bucket that served it."""
+    from vgraph_compile.bench.timing import elapsed_ms, host_ms_per_call
+    from vgraph_compile.counters import counters
+    from vgraph_compile.hf import compile_vision_tower
+    from vgraph_compile.models.qwen_towers import qwen_tower
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = qwen_tower(tower_kind, device=device, dtype=torch.bfloat16, **resize)
+    tower = compile_vision_tower(model, max_items=8, max_frames=16)
+    with torch.inference_mode():
+        tower.warmup()
+    report = {"host_ms": {}, "replay_us": {}, "device_ms": {}, "host_profile": {}}
+    with torch.inference_mode():
+        for case in ("1x224^2", "1x1344^2"):
+            x, grid_thw = _case_input(model.config, case, device)
+            host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
+            report["host_ms"][case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
+            (runtime,) = tower.runtimes
+            served = max(runtime.buckets, key=lambda bucket: bucket.stats.hits)
+            if served.graph is not None:
+                report["replay_us"][case] = round(1e3 * host_ms_per_call(served.graph.replay, 50, device), 1)
+            report["device_ms"][case] = round(elapsed_ms(lambda: tower(x, grid_thw), device), 3)
+            for bucket in runtime.buckets:
+                bucket.stats.hits = 0
+            if profile:
+                report["host_profile"][case] = _profile(lambda: tower(x, grid_thw), 200, device)
+    report["counters"] = {name: value for name, value in counters.snapshot().items() if value}
+    report["queue"] = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES")
+    if device == "cuda":
+        report["device"] = torch.cuda.get_device_name()
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("towers", nargs="+", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
@@ -152,13 +198,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
     parser.add_argument("--memory", action="store_true", help="a third, warm process: where its peak memory went")
+    parser.add_argument("--host-only", action="store_true", help="host time per call only, one process per tower")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     resize = json.loads(args.resize)
     if args.one:
-        print(json.dumps(one_start(args.towers[0], resize, args.profile, args.memory)))
+        start = host_only if args.host_only else functools.partial(one_start, memory=args.memory)
+        print(json.dumps(start(args.towers[0], resize, args.profile)))
         return {}
     report = {"torch": torch.__version__, "towers": {}}
+    if args.host_only:
+        for kind in args.towers:
+            environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.cache_dir, kind)}
+            environment.pop("VGRAPH_ARTIFACT_DIR", None)
+            command = [sys.executable, __file__, kind, "--one", "--host-only", "--cache-dir", args.cache_dir]
+            command += ["--resize", args.resize] + (["--profile"] if args.profile else [])
+            child = subprocess.run(command, capture_output=True, text=True, env=environment)
+            if child.returncode != 0:
+                raise SystemExit(f"{kind}: the run failed:\n{child.stderr[-4000:]}")
+            report["towers"][kind] = json.loads(child.stdout.strip().splitlines()[-1])
+            print(json.dumps({kind: report["towers"][kind]}), flush=True)
+            if args.json:
+                with open(args.json, "w") as file:
+                    json.dump(report, file, indent=1)
+        return report
     for kind in args.towers:
         directory = os.path.join(args.cache_dir, kind)
         if os.path.exists(directory):

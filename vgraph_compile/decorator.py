@@ -66,7 +66,7 @@ class _HotPath:
         runtime.encoder.share_strided()
 
     def __call__(self, args: tuple, kwargs: dict, key: Any = None) -> Any:
-        inputs = self.arguments.read(args, kwargs)
+        inputs = self.arguments.read(args, kwargs, key)
         if inputs is None:
             return NotImplemented
         return self.layout.build(self.runtime(*inputs, key=key))

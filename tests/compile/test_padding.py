@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.spec import Role
-from vgraph_compile.compile.padding import fill, fill_empty
+from vgraph_compile.compile.padding import RowFills, fill, fill_empty
 from vgraph_compile.kernels.segments import cu_seqlens
 
 
@@ -113,3 +113,44 @@ def test_an_empty_call_points_placement_padding_at_the_first_rows():
     buffer = torch.full((5,), -1, dtype=torch.int64)
     fill_empty(Role.PLACEMENT_INDEX, buffer)
     assert buffer.tolist() == [0, 1, 2, 3, 4]
+
+
+@given(
+    rows=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    extra=st.integers(0, 12),
+    dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.int32]), min_size=4, max_size=4),
+    repeat=st.booleans(),
+)
+def test_batched_row_fills_equal_the_rules_on_poisoned_buffers(rows, extra, dtypes, repeat):
+    """``RowFills`` over several buffers of mixed dtypes (one copy launch and one zero launch for all, over byte
+    views), with a staged byte copy beside them, writes every element as ``fill`` does, whatever the buffers held;
+    a second fill of fewer rows into the same buffers (re-poisoned) through the same view cache still does."""
+    views: dict = {}
+    buffers = [torch.empty(count + extra, 3).to(dtype) for count, dtype in zip(rows, dtypes)]
+    for attempt in range(2 if repeat else 1):
+        batch, expected = RowFills(views), []
+        for index, (count, buffer) in enumerate(zip(rows, buffers)):
+            count = max(0, count - attempt)
+            value = (torch.randn(count, 3) * 100).to(buffer.dtype)
+            buffer.fill_(float("nan") if buffer.is_floating_point() else -7)
+            reference = buffer.clone()
+            fill(Role.TOKENS, reference, value)
+            assert batch.add(index, buffer, value)
+            expected.append(reference)
+        staged, region = torch.randint(0, 255, (64,), dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        batch.add_copy(region, staged)
+        batch.run()
+        for buffer, reference in zip(buffers, expected):
+            assert torch.equal(buffer, reference)
+        assert torch.equal(region, staged)
+
+
+def test_row_fills_leave_what_they_cannot_view_as_bytes_to_the_rule():
+    """A value padded along a later dim, a 0-dim value and one whose last dim is strided are not queued: the
+    caller runs the rule (which handles them), and nothing is written by ``run``."""
+    batch = RowFills({})
+    assert not batch.add(0, torch.zeros(4, 5), torch.ones(2, 3))
+    assert not batch.add(1, torch.zeros(()), torch.ones(()))
+    assert not batch.add(2, torch.zeros(4, 3), torch.ones(3, 2).t())
+    batch.run()
+    assert batch.destinations == [] and batch.tails == []

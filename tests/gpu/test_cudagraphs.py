@@ -119,3 +119,28 @@ def test_threads_on_their_own_streams(models, compiled):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert max(pool.map(worker, range(4))) < 1e-2
+
+
+def test_results_are_not_overwritten_by_later_replays(models, compiled):
+    """Two calls of the same sizes (one bucket, the same cached narrowed views) with different pixels: the first
+    call's result, read after the second replay, still equals eager on its own input and shares no memory with
+    the graph's static outputs."""
+    _, bf16 = models
+    runtime = compiled.vgraph.runtimes[0]
+    with torch.inference_mode():
+        first = pack_images([36, 100], 588, device="cuda", dtype=torch.bfloat16)
+        second = (torch.randn_like(first[0]), *first[1:])
+        with counters.expect(replays=2):
+            out_first = compiled(*first)
+            out_second = compiled(*second)
+        torch.cuda.synchronize()
+        statics = {
+            output.untyped_storage().data_ptr()
+            for bucket in runtime.buckets
+            for output in bucket.outputs
+            if isinstance(output, torch.Tensor)
+        }
+        assert out_first.untyped_storage().data_ptr() not in statics
+        assert _relative(out_first, bf16(*first)) < 1e-2
+        assert _relative(out_second, bf16(*second)) < 1e-2
+        assert not torch.equal(out_first, out_second)

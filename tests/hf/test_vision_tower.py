@@ -252,3 +252,27 @@ def test_threads_with_their_own_grids_get_their_own_rows(towers, compiled):
     for outs, ref in zip(results, expected):
         for out in outs:
             _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen3-vl"])
+def test_every_way_of_passing_pixels_and_grid_is_served_alike(towers, compiled, name):
+    """By position, with the grid by name (both bound without ``inspect``), by the tower's own names and with
+    ``return_dict=False`` (bound by its signature): the same rows, each call one replay."""
+    tower = towers[name]
+    pixel_values, grid_thw = _inputs(tower, [(1, 8, 8), (1, 4, 12)])
+    pixels, grid = list(inspect.signature(tower.forward).parameters)[:2]
+    served = compiled[name]
+    with torch.no_grad():
+        served(pixel_values, grid_thw)
+        with counters.expect(replays=4):
+            outputs = [
+                served(pixel_values, grid_thw),
+                served(pixel_values, **{grid: grid_thw}),
+                served(**{pixels: pixel_values, grid: grid_thw}),
+                served(pixel_values, grid_thw, return_dict=False),
+            ]
+        with routed_attention(tower):
+            ref = tower(pixel_values, grid_thw)
+    for out in outputs[:3]:
+        _assert_same(out, ref)
+    torch.testing.assert_close(outputs[3][0], ref.to_tuple()[0], rtol=1e-5, atol=1e-5)

@@ -19,6 +19,19 @@ def model():
     return PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
 
 
+def _scaled_encoder(model):
+    """``model`` with a float ``scale`` the trace specializes, compiled and traced on two images."""
+
+    def encode(patches, cu_seqlens, max_seqlen, scale=1.0):
+        return model(patches, cu_seqlens, max_seqlen) * scale
+
+    compiled = vgraph_compile.encoder(encode, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    inputs = pack_images([5, 7], 12)
+    with torch.no_grad():
+        compiled(*inputs)
+    return compiled, inputs
+
+
 def test_hot_path_reads_arguments_by_name_and_position(model):
     """After the trace, positional and keyword calls are served with no dynamo call (no trace, replays only)."""
 
@@ -39,14 +52,8 @@ def test_hot_path_reads_arguments_by_name_and_position(model):
 
 def test_a_specialized_argument_goes_back_through_dynamo(model):
     """``scale`` is a float the trace specialized: another value is a new trace, never a stale constant."""
-
-    def encode(patches, cu_seqlens, max_seqlen, scale=1.0):
-        return model(patches, cu_seqlens, max_seqlen) * scale
-
-    compiled = vgraph_compile.encoder(encode, token_budgets=(16, 64), max_segments=4, compiler="eager")
-    inputs = pack_images([5, 7], 12)
+    compiled, inputs = _scaled_encoder(model)
     with torch.no_grad():
-        compiled(*inputs)
         with counters.expect(traces=1, sites_found=1, buckets_built=2, nodes_rewritten=2, replays=1):
             doubled = compiled(*inputs, scale=2.0)
         torch.testing.assert_close(doubled, 2 * model(*inputs), rtol=1e-5, atol=1e-5)
@@ -77,3 +84,33 @@ def test_rebuilt_outputs_die_with_their_last_reference_not_at_the_next_collectio
     finally:
         if enabled:
             gc.enable()
+
+
+def test_var_keyword_forward_reads_positional_calls_as_bind_does(model):
+    """A forward ``(patches, **metadata)`` (the HF towers' traced call) is served from positional pixels and
+    keyword metadata with no dynamo call, equal to eager; a call that passes ``patches`` twice is no hot-path call
+    (``read`` says retrace, and dynamo raises the TypeError the forward would)."""
+
+    def encode(patches, **metadata):
+        return model(patches, metadata["cu_seqlens"], metadata["max_seqlen"])
+
+    compiled = vgraph_compile.encoder(encode, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    with torch.no_grad():
+        patches, cu, max_seqlen = pack_images([5, 7], 12)
+        compiled(patches, cu_seqlens=cu, max_seqlen=max_seqlen)
+        patches, cu, max_seqlen = pack_images([20, 3], 12)
+        with counters.expect(replays=1):
+            out = compiled(patches, cu_seqlens=cu, max_seqlen=max_seqlen)
+        assert compiled._hot.arguments.read((patches,), {"patches": patches, "cu_seqlens": cu}) is None
+    torch.testing.assert_close(out, model(patches, cu, max_seqlen), rtol=1e-5, atol=1e-5)
+
+
+def test_a_key_skips_the_fingerprint_only_after_a_matching_call(model):
+    """A keyed call is fingerprinted until one call with its key matched the trace; a key whose call differed (a
+    specialized argument's other value) is not remembered, so its next call is told apart again."""
+    compiled, inputs = _scaled_encoder(model)
+    arguments = compiled._hot.arguments
+    assert arguments.read(inputs, {"scale": 2.0}, key="a") is None
+    assert arguments.read(inputs, {"scale": 2.0}, key="a") is None
+    assert arguments.read(inputs, {}, key="b") is not None
+    assert arguments.read(inputs, {"scale": 2.0}, key="b") is not None  # the key's promise: not fingerprinted

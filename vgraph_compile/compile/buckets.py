@@ -2,7 +2,8 @@
 
 Lifecycle (``capture``): buckets are captured largest first into one memory pool, so every later capture reuses
 the memory of the first. For each: fill its buffers as for a call with no tokens, run the compiled code once
-on a side stream (warm-up: lazy kernel loading, allocator state), then record one ``torch.cuda.CUDAGraph``. Its
+on a side stream (warm-up: lazy kernel loading, allocator state), then record one ``torch.cuda.CUDAGraph`` and
+upload it to the device (so the first call served by it does not pay the upload). Its
 outputs are static tensors in the pool that each replay overwrites; the runtime copies out what it returns. A
 capture that runs out of memory drops that bucket with a warning; the encoder keeps the others. Every graph is
 kept alive as long as the pool (a pool freed with its last graph breaks the next capture into it).
@@ -21,6 +22,8 @@ choosing a bucket, and the order of calls (``serve/runtime``).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -38,6 +41,9 @@ from vgraph_compile.compile import padding
 __all__ = ["Bucket", "BucketStats", "allocate", "capture", "padded_fraction", "STAGE_ALIGNMENT"]
 
 log = logging.getLogger(__name__)
+
+_ROW_VIEWS = 4096
+"""At most this many cached row views per bucket (``Bucket.row_views``; cleared past it)."""
 
 STAGE_ALIGNMENT = 64
 """Byte alignment of each metadata buffer in a bucket's region (compiled kernels assume 16-byte aligned inputs)."""
@@ -82,6 +88,8 @@ class Bucket:
     graph: "torch.cuda.CUDAGraph | None" = None
     outputs: Sequence[Any] = field(default_factory=tuple)
     """The captured graph's output tensors (overwritten by each replay)."""
+    row_views: dict = field(default_factory=dict)
+    """(input index, rows) -> the byte views ``padding.RowFills`` copies into and zeroes (made once per rows)."""
 
     def run(self, compiled: CompiledFn) -> Sequence[Any]:
         """Replay the captured graph, or run the compiled code on the buffers."""
@@ -94,14 +102,20 @@ class Bucket:
         """Fill every buffer from a call's graph inputs by its role's rule (``padding``); ``written`` gives, per
         input of ``padding.WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``).
         With ``staged`` (the ``region`` bytes an earlier fill left for the same metadata), the metadata buffers
-        take them in one copy and only the token buffers are filled by their rules."""
+        take them in one copy and only the token buffers are filled by their rules. The copies of the buffers padded
+        with zeros along their rows and the staged copy go in one launch, their padding in one more
+        (``padding.RowFills``)."""
+        batch = padding.RowFills(self.row_views)
         for rule, buffer, index in self.fills if staged is None else self.token_fills:
             if index in written:
                 rule(buffer, args[index], written[index])
-            else:
+            elif rule is not padding.ZEROS or not batch.add(index, buffer, args[index]):
                 rule(buffer, args[index])
         if staged is not None:
-            self.region.copy_(staged)
+            batch.add_copy(self.region, staged)
+        batch.run()
+        if len(self.row_views) > _ROW_VIEWS:
+            self.row_views.clear()
 
     def fill_empty(self, roles: dict[int, Role]) -> None:
         """Fill every buffer as for a call with no tokens (valid input for any kernel)."""
@@ -188,6 +202,28 @@ def pool_bytes(pool: tuple[int, int] | None = None) -> int:
     return total
 
 
+@functools.cache
+def _driver() -> "ctypes.CDLL | None":
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def _upload(graph: "torch.cuda.CUDAGraph") -> None:
+    """Upload the captured graph to the device now (``cuGraphUpload``; torch has no binding for it): its first
+    replay then costs what every later one does, not the upload (0.34-0.41 ms of host time on the H200 for a
+    400-kernel graph, against 0.01-0.02 ms uploaded; ``benchmarks/graph_replay.py``). Skipped (the first replay
+    uploads) where the driver library or ``raw_cuda_graph_exec`` is missing, or the driver refuses."""
+    driver = _driver()
+    if driver is None or not hasattr(graph, "raw_cuda_graph_exec"):
+        return
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    result = driver.cuGraphUpload(ctypes.c_void_p(graph.raw_cuda_graph_exec()), stream)
+    if result != 0:
+        log.debug("cuGraphUpload returned %s; the graph uploads at its first replay", result)
+
+
 def capture(
     buckets: list[Bucket], compiled: CompiledFn, roles: dict[int, Role], pool: tuple[int, int]
 ) -> list[Bucket]:
@@ -213,6 +249,7 @@ def capture(
             )
             counters.buckets_dropped += 1
             continue
+        _upload(graph)
         bucket.graph, bucket.outputs = graph, outputs
         counters.graphs_captured += 1
         captured.append(bucket)

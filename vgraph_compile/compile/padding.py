@@ -4,6 +4,11 @@ Invariant: after ``fill``, ``buffer[:n]`` (along the padded dim) equals the inpu
 padding, whatever the buffer held before. No rule reads device data on the host: the one size a rule needs
 beyond the value's own (the real size of the dim a PLACEMENT_INDEX writes) comes from the call's plan. Each rule
 is on the per-call path: a copy and at most one padding op, none when the input fills the buffer.
+
+``RowFills`` batches the common case (``ZEROS`` padded along dim 0 only, the token rows) of every buffer of one
+call: their copies, together with any other byte copies (a staged metadata region), go in one
+``torch._foreach_copy_`` and their zero tails in one ``torch._foreach_zero_``, over byte views, so a call costs
+two launches for all of them instead of two per buffer.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 
 from vgraph_compile.spec import Role
 
-__all__ = ["fill", "fill_empty", "RULES", "WRITTEN_SIZE_ROLES"]
+__all__ = ["fill", "fill_empty", "RowFills", "RULES", "WRITTEN_SIZE_ROLES", "ZEROS"]
 
 
 def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -33,6 +38,64 @@ def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
         return
     buffer.zero_()
     buffer[tuple(slice(0, size) for size in value.shape)].copy_(value)
+
+
+ZEROS = _zeros
+"""The rule of the token rows (and of every role padded with zeros): the one ``RowFills`` batches."""
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` as a uint8 view (its last dim widened by the element size), or None where no such view exists
+    (a 0-dim tensor, or a last dim that is not contiguous)."""
+    if tensor.dim() == 0 or tensor.stride(-1) != 1:
+        return None
+    return tensor.view(torch.uint8)
+
+
+class RowFills:
+    """One call's batched fills: ``add`` the buffers padded with zeros along dim 0 and other byte copies, then
+    ``run`` them in one copy launch and one zero launch (``torch._foreach_copy_``, ``torch._foreach_zero_``; both
+    fall back to a copy per tensor where the fast path does not apply, with the same result).
+
+    ``views`` caches, per (buffer, rows), the byte views of the buffer's first ``rows`` rows and of the rest, so
+    a call slices nothing it sliced before."""
+
+    def __init__(self, views: dict) -> None:
+        self.views = views
+        self.destinations: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.tails: list[torch.Tensor] = []
+
+    def add(self, index: int, buffer: torch.Tensor, value: torch.Tensor) -> bool:
+        """Queue ``ZEROS``' fill of ``buffer`` by ``value`` when it pads along dim 0 only and both have byte views;
+        False (nothing queued) otherwise: the caller runs the rule."""
+        if value.dim() == 0 or buffer.shape[1:] != value.shape[1:]:
+            return False
+        source = _bytes(value)
+        if source is None:
+            return False
+        rows = value.shape[0]
+        views = self.views.get((index, rows))
+        if views is None:
+            tail = _bytes(buffer[rows:]) if rows < buffer.shape[0] else None
+            views = self.views[index, rows] = (_bytes(buffer[:rows]), tail)
+        destination, tail = views
+        self.destinations.append(destination)
+        self.sources.append(source)
+        if tail is not None:
+            self.tails.append(tail)
+        return True
+
+    def add_copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """Queue a plain copy of two byte tensors of one shape (a staged metadata region)."""
+        self.destinations.append(destination)
+        self.sources.append(source)
+
+    def run(self) -> None:
+        if self.destinations:
+            torch._foreach_copy_(self.destinations, self.sources)
+        if self.tails:
+            torch._foreach_zero_(self.tails)
 
 
 def _repeat_last(buffer: torch.Tensor, value: torch.Tensor) -> None:

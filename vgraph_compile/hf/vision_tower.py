@@ -169,6 +169,8 @@ class CompiledVisionTower(TowerStandIn):
         """The tower's forward parameters by name, with their defaults (``inspect.Parameter.empty`` where none)."""
         self.pixel_argument = next(iter(self.defaults))
         """The forward's pixel rows argument (``hidden_states``, ``pixel_values``...): its first."""
+        self.grid_second = list(self.defaults)[1:2] == [interface.grid_argument]
+        """Whether the grid is the forward's second parameter (a call ``tower(pixels, grid)`` passes just those)."""
         self.vgraph_config = config
         self.geometry = config.geometry
         self.grid_metadata = GridMetadata(tower, interface, metadata_cache_size, grid_rows=config.max_frames + 1)
@@ -316,7 +318,14 @@ class CompiledVisionTower(TowerStandIn):
 
     def forward(self, *args: Any, **kwargs: Any):
         """The tower's own arguments, by position or by its names (the processor's pixel rows as
-        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...)."""
+        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...). A call of the pixels and the grid
+        alone (by position, or the grid by its name) is bound without ``inspect``."""
+        grid_name = self.interface.grid_argument
+        if not self.training and not torch.is_grad_enabled():
+            if len(args) == 2 and not kwargs and self.grid_second:
+                return self._serve(*args)
+            if len(args) == 1 and len(kwargs) == 1 and grid_name in kwargs:
+                return self._serve(args[0], kwargs[grid_name])
         try:
             arguments = dict(self.signature.bind(*args, **kwargs).arguments)
         except TypeError as error:

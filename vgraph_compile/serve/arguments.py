@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 from torch._dynamo import source as dynamo_source
@@ -27,6 +27,9 @@ __all__ = ["AttributeStep", "CallArguments", "OutputLayout", "SizeStep", "argume
 log = logging.getLogger(__name__)
 
 Reader = Callable[[dict[str, Any]], Any]
+
+_MATCHED_KEYS = 4096
+"""At most this many call keys remembered as matching the trace (``CallArguments.read``; cleared past it)."""
 
 
 def source_name(source) -> str:
@@ -127,7 +130,10 @@ class CallArguments:
     bound: list[Any]
     """Per graph input: its value fixed at trace time (where ``paths`` is None)."""
     positional: tuple[str, ...] = ()
-    """The parameter names, when a call giving all of them positionally needs no ``Signature.bind``."""
+    """The parameter names before a ``**kwargs`` (all of them where there is none), when a call giving all of them
+    positionally needs no ``Signature.bind``."""
+    var_keyword: str | None = None
+    """The name of the ``**kwargs`` parameter that follows ``positional`` (None: there is none)."""
     fingerprint: Any = None
 
     def __post_init__(self) -> None:
@@ -135,16 +141,23 @@ class CallArguments:
         """Paths of the graph inputs read per call: an int there is a size, so its value may change."""
         self._read = [(index, _reader(path)) for index, path in enumerate(self.paths) if path is not None]
         """The inputs read per call (a few), apart from the bound ones (every parameter)."""
+        self._matched: set[Hashable] = set()
+        """Call keys whose call matched the fingerprint (``read``)."""
 
     @classmethod
     def over(cls, forward: Callable[..., Any], paths: list[tuple | None], bound: list[Any]) -> "CallArguments":
         """Readers of ``paths`` over the arguments of ``forward``'s calls, the other inputs bound."""
         signature = inspect.signature(forward)
+        parameters = list(signature.parameters.values())
+        var_keyword = None
+        if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
+            var_keyword = parameters.pop().name
         plain = all(
             parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            for parameter in signature.parameters.values()
+            for parameter in parameters
         )
-        return cls(signature, list(paths), list(bound), tuple(signature.parameters) if plain else ())
+        names = tuple(parameter.name for parameter in parameters) if plain else ()
+        return cls(signature, list(paths), list(bound), names, var_keyword if plain else None)
 
     @classmethod
     def from_trace(
@@ -170,8 +183,13 @@ class CallArguments:
         return cls.over(forward, paths, fixed)
 
     def _local(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        if not kwargs and len(args) == len(self.positional):
-            return dict(zip(self.positional, args))
+        if self.positional and len(args) == len(self.positional):
+            if not kwargs and self.var_keyword is None:
+                return dict(zip(self.positional, args))
+            if self.var_keyword is not None and not any(name in kwargs for name in self.positional):
+                local = dict(zip(self.positional, args))
+                local[self.var_keyword] = kwargs
+                return local
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return bound.arguments
@@ -181,14 +199,23 @@ class CallArguments:
         local = self._local(args, kwargs)
         self.fingerprint = {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()}
 
-    def read(self, args: tuple, kwargs: dict) -> list[Any] | None:
-        """The graph inputs for this call, or None when it needs a retrace; a ValueError for a size that is no int."""
+    def read(self, args: tuple, kwargs: dict, key: Hashable = None) -> list[Any] | None:
+        """The graph inputs for this call, or None when it needs a retrace; a ValueError for a size that is no int.
+
+        A ``key`` promises that every argument but the token rows equals that of earlier calls with the key
+        (``CompiledEncoderFunction.call_keyed``): once one of them matched the trace's fingerprint, the others are
+        not fingerprinted again."""
         try:
             local = self._local(args, kwargs)
         except TypeError:
             return None
-        if {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()} != self.fingerprint:
-            return None
+        if key is None or key not in self._matched:
+            if {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()} != self.fingerprint:
+                return None
+            if key is not None:
+                if len(self._matched) >= _MATCHED_KEYS:
+                    self._matched.clear()
+                self._matched.add(key)
         inputs = self.bound.copy()
         for index, read in self._read:
             inputs[index] = read(local)

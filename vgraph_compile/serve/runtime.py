@@ -14,9 +14,10 @@ table of: padding it to the smallest bucket, splitting it at a segment boundary 
 it eagerly. ``stats_table()`` counts each choice.
 
 Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
-CUDA the lock is released once the work is queued, not finished; the next caller's stream waits for the previous
-call's copy-out (a CUDA event) before its fill, so callers on different streams are ordered too. The returned
-tensors are safe to read on the caller's stream.
+CUDA the lock is released once the work is queued, not finished. Calls on one stream are ordered by it; a call on
+another stream than the previous call's first waits for everything queued on that stream so far (its copy-out
+included) before its fill, so callers on different streams are ordered too, and a single-stream caller pays for no
+event. The returned tensors are fresh and safe to read on the caller's stream.
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ class VGraphRuntime:
         self.misses: dict[str, _Miss] = {}
         self._chosen: dict[tuple[int, ...], Bucket | None] = {}
         """The bucket chosen per call sizes, kept once the graphs are captured (a capture may drop buckets)."""
+        self._views: dict[tuple[int, tuple[int, ...]], list[Any]] = {}
+        """(budget, call sizes) -> the captured outputs narrowed to those sizes (views of static tensors)."""
         self._staged: dict[tuple[Hashable, int], torch.Tensor] = {}
         """(call key, budget) -> the bucket's metadata bytes as that key's first call filled them."""
         self._lock = threading.Lock()
-        self._done: torch.cuda.Event | None = None
+        self._last_stream: torch.cuda.Stream | None = None
+        """The stream the previous call's work was queued on (CUDA)."""
         self.fixed_inputs = list(fixed_inputs)
         """The value of each input not read from the call's arguments (parameters, module state); None elsewhere."""
         self._parameters_need_grad = any(
@@ -247,22 +251,32 @@ class VGraphRuntime:
             self.first_outputs = outputs
         self.serves += 1
 
-    @staticmethod
-    def _narrow(outputs: Sequence[Any], plan: CallPlan) -> list[Any]:
-        """The outputs at the call's real sizes, copied out of the bucket's memory.
+    def _narrow(self, bucket: Bucket, outputs: Sequence[Any], plan: CallPlan) -> list[Any]:
+        """The outputs at the call's real sizes, copied out of the bucket's memory in one launch.
 
-        The copy (a ``clone`` per output) stays: the outputs are the captured graph's static tensors, which the
-        next call's replay overwrites, and that replay may be queued (the lock is released once the work is
-        queued) before this caller reads its results. A view would hand callers rows another call rewrites."""
-        results = []
-        for output, narrow in zip(outputs, plan.narrow):
-            if isinstance(narrow, tuple) and isinstance(output, torch.Tensor):
-                for dim, size in narrow:
-                    output = output.narrow(dim, 0, size)
-                output = output.clone()
-            elif isinstance(narrow, int):
-                output = narrow
-            results.append(output)
+        The copy stays: the outputs are the captured graph's static tensors, which the next call's replay
+        overwrites, and that replay may be queued (the lock is released once the work is queued) before this caller
+        reads its results. A view would hand callers rows another call rewrites. The narrowed views are made once
+        per bucket and call sizes; each call allocates its results and copies every tensor output into them with
+        one ``torch._foreach_copy_``."""
+        views = self._views.get((bucket.shape.budget, plan.key)) if bucket.graph is not None else None
+        if views is None:
+            views = []
+            for output, narrow in zip(outputs, plan.narrow):
+                if isinstance(narrow, tuple) and isinstance(output, torch.Tensor):
+                    for dim, size in narrow:
+                        output = output.narrow(dim, 0, size)
+                elif isinstance(narrow, int):
+                    output = narrow
+                views.append(output)
+            if bucket.graph is not None:  # static outputs: the views stay valid
+                if len(self._views) >= _CHOICE_CACHE_SIZE:
+                    self._views.clear()
+                self._views[bucket.shape.budget, plan.key] = views
+        results = [torch.empty_like(view) if isinstance(view, torch.Tensor) else view for view in views]
+        tensors = [index for index, view in enumerate(views) if isinstance(view, torch.Tensor)]
+        if tensors:
+            torch._foreach_copy_([results[index] for index in tensors], [views[index] for index in tensors])
         return results
 
     def __call__(self, *args: Any, key: Hashable = None) -> list[Any]:
@@ -304,14 +318,13 @@ class VGraphRuntime:
         """Serve one call by ``bucket``: fill (by the staged bytes of ``key``, when given), replay, narrow and copy
         out, holding the lock. A split call's halves pass no key: their metadata is not the key's."""
         with self._lock:
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            if self._done is not None:
-                stream.wait_event(self._done)
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                if self._last_stream is not None and stream != self._last_stream:
+                    stream.wait_stream(self._last_stream)  # after the previous call's copy-out, queued there
+                self._last_stream = stream
             self._fill(bucket, args, plan, key)
-            results = self._narrow(bucket.run(self.encoder.compiled), plan)
-            if stream is not None:
-                self._done = self._done or torch.cuda.Event()
-                self._done.record(stream)
+            results = self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
             bucket.stats.hits += 1
             bucket.stats.real_tokens += plan.tokens
             counters.replays += 1
