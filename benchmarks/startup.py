@@ -12,11 +12,12 @@ library functions of each phase timed where they are called):
 - trace: the rest (dynamo's trace, rewrites, buffer allocation, learning the tower's interface, its own Python).
 
 Then peak memory (allocated and reserved, after warm-up and the two host cases), the tower's weights, the graph
-pool, and host time per call (call to return, GPU idle before each) of 1x224^2 and 1x1344^2. With ``--profile``,
+pool, host time per call (call to return, GPU idle before each) and the median time of a whole call (``call_ms``) of
+1x224^2 and 1x1344^2. ``--options`` passes vgraph options (JSON) to ``compile_vision_tower``. With ``--profile``,
 the warm process also profiles each case's host path (cProfile over 200 calls, GPU idle before each) and reports
 the functions that take the most host time per call.
 
-    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--profile]
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--options JSON] [--profile]
 """
 
 from __future__ import annotations
@@ -70,13 +71,13 @@ def _profile(fn, calls: int, device: str) -> list[str]:
     ]
 
 
-def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
+def one_start(tower_kind: str, resize: dict, options: dict, profile: bool = False) -> dict:
     """One process's start of ``tower_kind``: total and phases, memory, host time per call."""
     import vgraph_compile.compile.buckets as buckets
     import vgraph_compile.compile.build as build
     import vgraph_compile.compile_backend as compile_backend
     import vgraph_compile.warm_start as warm_start
-    from vgraph_compile.bench.timing import host_ms_per_call
+    from vgraph_compile.bench.timing import host_ms_per_call, median_ms
     from vgraph_compile.bench.workload import CASES_PX, to_grid
     from vgraph_compile.counters import counters
     from vgraph_compile.hf import compile_vision_tower
@@ -96,7 +97,7 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    tower = compile_vision_tower(model, max_items=8, max_frames=16)
+    tower = compile_vision_tower(model, max_items=8, max_frames=16, **options)
     with torch.inference_mode():
         tower.warmup()
     if device == "cuda":
@@ -105,7 +106,7 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
     phases["trace"] = total - sum(phases.values())
 
     width = config.in_channels * config.temporal_patch_size * config.patch_size**2
-    host_ms, profiles = {}, {}
+    host_ms, call_ms, profiles = {}, {}, {}
     with torch.inference_mode():
         for case in ("1x224^2", "1x1344^2"):
             grid_thw = torch.tensor(
@@ -114,6 +115,7 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
             x = torch.randn(int(grid_thw.prod(-1).sum()), width, device=device, dtype=torch.bfloat16)
             host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
             host_ms[case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
+            call_ms[case] = round(median_ms(lambda: tower(x, grid_thw), 20, 3, device), 3)
             if profile:
                 profiles[case] = _profile(lambda: tower(x, grid_thw), 200, device)
     report = {
@@ -121,6 +123,7 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False) -> dict:
         "phases_s": {name: round(seconds, 2) for name, seconds in phases.items()},
         "weights_gib": round(weights / GIB, 3),
         "host_ms": host_ms,
+        "call_ms": call_ms,
         "counters": {name: value for name, value in counters.snapshot().items() if value},
     }
     if profiles:
@@ -140,15 +143,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("towers", nargs="+", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
     parser.add_argument("--cache-dir", required=True, help="a directory per tower is made under it (must be new)")
     parser.add_argument("--resize", default="{}", help="config fields as JSON, for a small dry run")
+    parser.add_argument("--options", default="{}", help="vgraph options as JSON, for compile_vision_tower")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     resize = json.loads(args.resize)
     if args.one:
-        print(json.dumps(one_start(args.towers[0], resize, args.profile)))
+        print(json.dumps(one_start(args.towers[0], resize, json.loads(args.options), args.profile)))
         return {}
-    report = {"torch": torch.__version__, "towers": {}}
+    report = {"torch": torch.__version__, "options": json.loads(args.options), "towers": {}}
     for kind in args.towers:
         directory = os.path.join(args.cache_dir, kind)
         if os.path.exists(directory):
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         environment.pop("VGRAPH_ARTIFACT_DIR", None)
         starts = []
         for start in ("cold", "warm"):
-            command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
+            command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize, "--options", args.options]
             if args.profile and start == "warm":
                 command.append("--profile")
             child = subprocess.run(command, capture_output=True, text=True, env=environment)
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
             **{key: cold[key] for key in ("device", "peak_allocated_gib", "peak_reserved_gib", "pool_gib") if key in cold},
             "peak_warm_allocated_gib": warm.get("peak_allocated_gib"),
             "host_ms": warm["host_ms"],
+            "call_ms": {"cold": cold["call_ms"], "warm": warm["call_ms"]},
             "counters": {"cold": cold["counters"], "warm": warm["counters"]},
             **({"host_profile": warm["host_profile"]} if "host_profile" in warm else {}),
         }

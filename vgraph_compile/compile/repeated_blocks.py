@@ -48,11 +48,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from vgraph_compile.compile.artifacts import describe_input
+from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import example_value
 
 __all__ = ["Block", "find_blocks", "run", "SUBGRAPH_PREFIX"]
@@ -75,7 +78,7 @@ class Block:
     nodes: list[torch.fx.Node]
     """The block's call nodes, in graph order."""
     operands: list[torch.fx.Node]
-    """Nodes outside the block that it reads, in order of first use."""
+    """Nodes outside the block that it reads, in order of first use, after the size inputs of their shapes."""
     outputs: list[torch.fx.Node]
     """The block's nodes read outside it, in graph order."""
 
@@ -94,15 +97,36 @@ def _block_entry(node: torch.fx.Node) -> tuple[str, int] | None:
     return None
 
 
-def _region(container: str, index: int, nodes: list[torch.fx.Node]) -> Block:
+def _size_inputs(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, torch.fx.Node]:
+    """The graph's size inputs by their symbol (dynamo passes every size a shape reads as such an input)."""
+    sizes = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = example_value(node)
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            sizes[value.node.expr] = node
+    return sizes
+
+
+def _region(
+    container: str, index: int, nodes: list[torch.fx.Node], sizes: dict[sympy.Symbol, torch.fx.Node]
+) -> Block:
+    """The block of ``nodes``. Its operands start with the size inputs of every symbol in the other operands'
+    shapes and strides (sorted by name): inductor binds a subgraph's symbols from its own inputs only, so a shape
+    such as ``4*s48`` needs ``s48`` passed in, as dynamo does for a ``nested_compile_region``."""
     inside = set(nodes)
-    operands: dict[torch.fx.Node, None] = {}
+    read: dict[torch.fx.Node, None] = {}
     for node in nodes:
         for argument in node.all_input_nodes:
             if argument not in inside:
-                operands.setdefault(argument)
+                read.setdefault(argument)
+    values = [example_value(node) for node in read]
+    symbols = set().union(set(), *(free_symbols(value) for value in values if isinstance(value, (torch.Tensor, torch.SymInt))))
+    lifted = [sizes.get(symbol) for symbol in sorted(symbols, key=str)]
+    operands = [node for node in lifted if node is not None and node not in read] + list(read)
+    if None in lifted:
+        operands.append(None)  # a symbol no size input holds: refused (``_refusal``)
     outputs = [node for node in nodes if any(user not in inside for user in node.users)]
-    return Block(container, index, nodes, list(operands), outputs)
+    return Block(container, index, nodes, operands, outputs)
 
 
 def find_blocks(gm: torch.fx.GraphModule) -> list[Block]:
@@ -113,11 +137,14 @@ def find_blocks(gm: torch.fx.GraphModule) -> list[Block]:
             entry = _block_entry(node)
             if entry is not None:
                 regions.setdefault(entry, []).append(node)
-    return [_region(container, index, nodes) for (container, index), nodes in sorted(regions.items())]
+    sizes = _size_inputs(gm)
+    return [_region(container, index, nodes, sizes) for (container, index), nodes in sorted(regions.items())]
 
 
 def _refusal(block: Block, position: dict[torch.fx.Node, int]) -> str | None:
     """Why ``block`` cannot become one call, or None."""
+    if None in block.operands:
+        return "its operands' shapes read a size that is no graph input"
     last = position[block.nodes[-1]]
     inside = set(block.nodes)
     for node in block.nodes:
@@ -218,15 +245,18 @@ def run(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             log.info("vgraph: block %s is compiled inline: %s", block.name, why)
             continue
         classes.setdefault((block.container, _signature(block)), []).append(block)
+    repeated = [members for members in classes.values() if len(members) > 1]
+    subgraphs = [_subgraph(gm, members[0]) for members in repeated]  # before any block is replaced
     shared, replaced = 0, {}
-    for number, members in enumerate(members for members in classes.values() if len(members) > 1):
+    for number, (members, subgraph) in enumerate(zip(repeated, subgraphs)):
         attribute = f"{SUBGRAPH_PREFIX}{number}"
-        gm.add_submodule(attribute, _subgraph(gm, members[0]))
+        gm.add_submodule(attribute, subgraph)
         identifier = f"{re.sub(r'[^0-9A-Za-z_]', '_', members[0].container)}_{number}"
         for block in members:
             _call(gm, block, attribute, identifier, replaced)
         shared += len(members)
         log.info("vgraph: %s compile once, as %s", ", ".join(block.name for block in members), identifier)
+    counters.blocks_compiled_once += shared
     if shared:
         gm.graph.lint()
         gm.recompile()
