@@ -54,25 +54,26 @@ def _argument(node, spec) -> str:
 def _calls(gm, spec) -> str:
     """One line per call of ``gm``: name = callee(arguments), graph inputs in the user's names; a block's run of
     parameters as ``self.blocks.0.[norm1.weight ...]``."""
+
+    def grouped(texts: list[str]) -> list[str]:
+        out, run = [], []
+        for text in [*texts, None]:
+            if text is not None and text.startswith("self.blocks."):
+                run.append(text)
+                continue
+            if run:
+                prefix = ".".join(run[0].split(".")[:3])
+                out.append(f"{prefix}.[{' '.join(name[len(prefix) + 1 :] for name in run)}]")
+                run = []
+            if text is not None:
+                out.append(text)
+        return out
+
     lines = []
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        arguments, parameters = [], []
-        for argument in node.args:
-            text = _argument(argument, spec)
-            if text.startswith("self.blocks."):
-                parameters.append(text)
-                continue
-            if parameters:
-                prefix = ".".join(parameters[0].split(".")[:3])
-                arguments.append(f"{prefix}.[{' '.join(p[len(prefix) + 1 :] for p in parameters)}]")
-                parameters = []
-            arguments.append(text)
-        if parameters:
-            prefix = ".".join(parameters[0].split(".")[:3])
-            arguments.append(f"{prefix}.[{' '.join(p[len(prefix) + 1 :] for p in parameters)}]")
-        lines.append(f"{node.name} = {callable_name(node)}({', '.join(arguments)})")
+        if node.op in ("call_function", "call_method"):
+            arguments = grouped([_argument(argument, spec) for argument in node.args])
+            lines.append(f"{node.name} = {callable_name(node)}({', '.join(arguments)})")
     return "\n".join(lines)
 
 
