@@ -272,3 +272,28 @@ def test_a_second_process_loads_the_shared_block_compile(windowed):
     assert moved == {"plans_loaded": 1, "artifacts_loaded": 1, "buckets_built": 2, "replays": 3}
     assert report["frames"] == 0
     assert all(error is not False and error <= 1e-5 for error in report["errors"]), report["errors"]
+
+
+class ScaledInPlace(Block):
+    """A block that scales a copy of its output in place (``mul_``)."""
+
+    def forward(self, x, cu_seqlens, max_seqlen):
+        out = super().forward(x, cu_seqlens, max_seqlen) * 2
+        out.mul_(0.5)
+        return out
+
+
+def test_blocks_writing_in_place_stay_inline(caplog):
+    """Two identical blocks that write in place are not shared: a subgraph may not mutate (the log says which
+    node)."""
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
+    model.blocks = nn.ModuleList(ScaledInPlace(16, 2) for _ in range(2))
+    gm, _ = _rewritten(model, pack_images([5, 7], 12), max_segments=4)
+    with caplog.at_level("INFO", logger=repeated_blocks.__name__), counters.expect():
+        shared = repeated_blocks.run(gm)
+    assert _shared(shared) == []
+    assert [record.getMessage().split(": ")[-1] for record in caplog.records] == [
+        "mul_ writes in place",
+        "mul__1 writes in place",
+    ]

@@ -56,7 +56,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from vgraph_compile.compile.artifacts import describe_input
 from vgraph_compile.counters import counters
-from vgraph_compile.fx_utils import example_value
+from vgraph_compile.fx_utils import callable_name, example_value, writes_in_place
 
 __all__ = ["Block", "find_blocks", "run", "SUBGRAPH_PREFIX"]
 
@@ -151,10 +151,8 @@ def _refusal(block: Block, position: dict[torch.fx.Node, int]) -> str | None:
         early = [user for user in node.users if user not in inside and position[user] < last]
         if early:
             return f"{early[0].name} reads {node.name} before the block ends"
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-        if mutable or (str(name).endswith("_") and not str(name).startswith("_") and node.target
-                       not in (operator.and_, operator.or_)):  # fmt: skip
+        if mutable or writes_in_place(node) or callable_name(node) == "setitem":
             return f"{node.name} writes in place"
     storages = set()
     for node in block.operands:
