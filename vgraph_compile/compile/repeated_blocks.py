@@ -21,23 +21,25 @@ Cases handled:
 2. A class with one block is left inline (sharing saves nothing).
 3. Refused, left inline and logged: a block read by a node outside it before the block ends (a placement there
    would change the order); a block that writes in place; a block with an output that aliases an input or
-   another output, or that is not a tensor.
+   another output, or that is not a tensor; a block whose inputs' shapes read a size no graph input holds.
 
-Before (two blocks of ``PackedViT``, in the trace's names)::
+Before (two blocks of ``PackedViT``, graph inputs in the user's names)::
 
-    layer_norm = layer_norm(x, (16,), blocks_0_norm1_weight, ...)
-    ...
+    layer_norm = layer_norm(x, (16,), self.blocks.0.norm1.weight, self.blocks.0.norm1.bias, 1e-05)
+    ...  (16 nodes per block)
     x_2 = add(x_1, linear_4)
-    layer_norm_2 = layer_norm(x_2, (16,), blocks_1_norm1_weight, ...)
+    layer_norm_2 = layer_norm(x_2, (16,), self.blocks.1.norm1.weight, self.blocks.1.norm1.bias, 1e-05)
     ...
     x_4 = add(x_3, linear_8)
 
-After::
+After (the lifted size first, then what the block reads in order of first use)::
 
-    invoke_subgraph = invoke_subgraph(repeated_block_0, 'blocks_0', x, blocks_0_norm1_weight, ..., s84, ...)
-    getitem = invoke_subgraph[0]
-    invoke_subgraph_1 = invoke_subgraph(repeated_block_0, 'blocks_0', getitem, blocks_1_norm1_weight, ...)
-    getitem_1 = invoke_subgraph_1[0]
+    invoke_subgraph = invoke_subgraph(repeated_block_0, 'blocks_0', cu_seqlens.shape[0], x,
+        self.blocks.0.[norm1.weight norm1.bias qkv.weight qkv.bias], patches.shape[0], cu_seqlens, max_seqlen, ...)
+    getitem = getitem(invoke_subgraph, 0)
+    invoke_subgraph_1 = invoke_subgraph(repeated_block_0, 'blocks_0', cu_seqlens.shape[0], getitem,
+        self.blocks.1.[norm1.weight ...], patches.shape[0], cu_seqlens, max_seqlen, ...)
+    getitem_1 = getitem(invoke_subgraph_1, 0)
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Block:
     """Nodes outside the block that it reads, in order of first use, after the size inputs of their shapes."""
     outputs: list[torch.fx.Node]
     """The block's nodes read outside it, in graph order."""
+    unbound: tuple[str, ...]
+    """Symbols of the operands' shapes that no graph input holds (the block is then refused)."""
 
     @property
     def name(self) -> str:
@@ -119,14 +123,15 @@ def _region(
         for argument in node.all_input_nodes:
             if argument not in inside:
                 read.setdefault(argument)
-    values = [example_value(node) for node in read]
-    symbols = set().union(set(), *(free_symbols(value) for value in values if isinstance(value, (torch.Tensor, torch.SymInt))))
-    lifted = [sizes.get(symbol) for symbol in sorted(symbols, key=str)]
-    operands = [node for node in lifted if node is not None and node not in read] + list(read)
-    if None in lifted:
-        operands.append(None)  # a symbol no size input holds: refused (``_refusal``)
+    symbols: set[sympy.Symbol] = set()
+    for value in map(example_value, read):
+        if isinstance(value, (torch.Tensor, torch.SymInt)):
+            symbols |= free_symbols(value)
+    ordered = sorted(symbols, key=str)
+    lifted = [sizes[symbol] for symbol in ordered if symbol in sizes and sizes[symbol] not in read]
+    unbound = tuple(str(symbol) for symbol in ordered if symbol not in sizes)
     outputs = [node for node in nodes if any(user not in inside for user in node.users)]
-    return Block(container, index, nodes, operands, outputs)
+    return Block(container, index, nodes, lifted + list(read), outputs, unbound)
 
 
 def find_blocks(gm: torch.fx.GraphModule) -> list[Block]:
@@ -143,8 +148,8 @@ def find_blocks(gm: torch.fx.GraphModule) -> list[Block]:
 
 def _refusal(block: Block, position: dict[torch.fx.Node, int]) -> str | None:
     """Why ``block`` cannot become one call, or None."""
-    if None in block.operands:
-        return "its operands' shapes read a size that is no graph input"
+    if block.unbound:
+        return f"its inputs' shapes read sizes no graph input holds ({', '.join(block.unbound)})"
     last = position[block.nodes[-1]]
     inside = set(block.nodes)
     for node in block.nodes:
