@@ -12,7 +12,8 @@ library functions of each phase timed where they are called):
 - trace: the rest (dynamo's trace, rewrites, buffer allocation, learning the tower's interface, its own Python).
 
 Then peak memory (allocated and reserved, after warm-up and the two host cases), the tower's weights, the graph
-pool, and host time per call (call to return, GPU idle before each) of 1x224^2 and 1x1344^2. With ``--profile``,
+pool, host time per call (call to return, GPU idle before each) and the median time of a whole call (``call_ms``) of
+1x224^2 and 1x1344^2. ``--options`` passes vgraph options (JSON) to ``compile_vision_tower``. With ``--profile``,
 the warm process also profiles each case's host path (cProfile over 200 calls, GPU idle before each) and reports
 the functions that take the most host time per call. With ``--memory``, a third process starts warm with the
 allocator's history recorded and reports where its peak went (``bench.memory``: the live allocations at the peak by
@@ -22,7 +23,7 @@ With ``--host-only``, one process per tower on its cache directory (which may ex
 the saved build plan) measures the host time per call alone, with no start-up phases, plus the host time of a
 bare ``replay()`` of the bucket that serves each case (``replay_us``), and its device time (``device_ms``).
 
-    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--profile] [--memory]
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--options JSON] [--profile] [--memory]
     python benchmarks/startup.py qwen2-vl --cache-dir /tmp/startup --host-only --json PATH [--profile]
 """
 
@@ -75,7 +76,7 @@ def _profile(fn, calls: int, device: str) -> list[str]:
     ]
 
 
-def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool = False) -> dict:
+def one_start(tower_kind: str, resize: dict, options: dict, profile: bool = False, memory: bool = False) -> dict:
     """One process's start of ``tower_kind``: total and phases, memory, host time per call; ``memory``: with the
     allocator's history recorded, and where its peak went."""
     import vgraph_compile.compile.buckets as buckets
@@ -83,8 +84,8 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
     import vgraph_compile.compile_backend as compile_backend
     import vgraph_compile.warm_start as warm_start
     from vgraph_compile.bench.memory import GIB, peak_breakdown
+    from vgraph_compile.bench.timing import host_ms_per_call, median_ms
     from vgraph_compile.compile.buckets import pool_bytes
-    from vgraph_compile.bench.timing import host_ms_per_call
     from vgraph_compile.counters import counters
     from vgraph_compile.hf import compile_vision_tower
     from vgraph_compile.models.qwen_towers import qwen_tower
@@ -105,7 +106,7 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
         if memory:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     start = time.perf_counter()
-    tower = compile_vision_tower(model, max_items=8, max_frames=16)
+    tower = compile_vision_tower(model, max_items=8, max_frames=16, **options)
     with torch.inference_mode():
         tower.warmup()
     if device == "cuda":
@@ -113,12 +114,13 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
     total = time.perf_counter() - start
     phases["trace"] = total - sum(phases.values())
 
-    host_ms, profiles = {}, {}
+    host_ms, call_ms, profiles = {}, {}, {}
     with torch.inference_mode():
         for case in ("1x224^2", "1x1344^2"):
             x, grid_thw = _case_input(config, case, device)
             host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
             host_ms[case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
+            call_ms[case] = round(median_ms(lambda: tower(x, grid_thw), 20, 3, device), 3)
             if profile:
                 profiles[case] = _profile(lambda: tower(x, grid_thw), 200, device)
     report = {
@@ -126,6 +128,7 @@ def one_start(tower_kind: str, resize: dict, profile: bool = False, memory: bool
         "phases_s": {name: round(seconds, 2) for name, seconds in phases.items()},
         "weights_gib": round(weights / GIB, 3),
         "host_ms": host_ms,
+        "call_ms": call_ms,
         "counters": {name: value for name, value in counters.snapshot().items() if value},
     }
     if profiles:
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("towers", nargs="+", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
     parser.add_argument("--cache-dir", required=True, help="a directory per tower is made under it (must be new)")
     parser.add_argument("--resize", default="{}", help="config fields as JSON, for a small dry run")
+    parser.add_argument("--options", default="{}", help="vgraph options as JSON, for compile_vision_tower")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
     parser.add_argument("--memory", action="store_true", help="a third, warm process: where its peak memory went")
@@ -203,10 +207,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     resize = json.loads(args.resize)
     if args.one:
-        start = host_only if args.host_only else functools.partial(one_start, memory=args.memory)
-        print(json.dumps(start(args.towers[0], resize, args.profile)))
+        if args.host_only:
+            print(json.dumps(host_only(args.towers[0], resize, args.profile)))
+        else:
+            options = json.loads(args.options)
+            print(json.dumps(one_start(args.towers[0], resize, options, args.profile, args.memory)))
         return {}
-    report = {"torch": torch.__version__, "towers": {}}
+    report = {"torch": torch.__version__, "options": json.loads(args.options), "towers": {}}
     if args.host_only:
         for kind in args.towers:
             environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.cache_dir, kind)}
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         starts = []
         for start in ("cold", "warm", "memory") if args.memory else ("cold", "warm"):
             command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
+            command += ["--options", args.options]
             command += {"warm": ["--profile"] if args.profile else [], "memory": ["--memory"]}.get(start, [])
             child = subprocess.run(command, capture_output=True, text=True, env=environment)
             if child.returncode != 0:
@@ -246,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
             "peak_warm_allocated_gib": warm.get("peak_allocated_gib"),
             "host_ms": warm["host_ms"],
             "allocated_after_gib": cold.get("allocated_after_gib"),
+            "call_ms": {"cold": cold["call_ms"], "warm": warm["call_ms"]},
             "counters": {"cold": cold["counters"], "warm": warm["counters"]},
             **({"peak_breakdown": starts[2].get("peak_breakdown")} if args.memory else {}),
             **({"host_profile": warm["host_profile"]} if "host_profile" in warm else {}),

@@ -68,6 +68,10 @@ class VGraphConfig:
     compiler: Literal["inductor", "eager"] = "inductor"
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
     (fast to build; for tests and debugging)."""
+    compile_blocks_once: bool = True
+    """Lower each class of identical repeated blocks (the entries of a module list: a ViT's blocks) once and call
+    that code per block (``compile/repeated_blocks``), instead of compiling every copy: a shorter cold compile,
+    the same kernels. False: every block inline."""
     align_matmuls: bool | None = None
     """Pad misaligned matmul widths with zeros (``rewrite/align_matmuls``; exact). None: where it pays, on CUDA when a
     width is not a multiple of 16 bytes; True: every width not a multiple of 64; False: never."""

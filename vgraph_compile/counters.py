@@ -26,6 +26,8 @@ class Counters:
     """Graph nodes changed by rewrite passes (all buckets)."""
     compiles: int = 0
     """Inductor compiles: one per trace, whatever the number of buckets."""
+    blocks_compiled_once: int = 0
+    """Blocks inductor ran as calls of their class's one compiled subgraph (``compile/repeated_blocks``)."""
     artifacts_saved: int = 0
     """Compiled encoders saved for later processes (``compile/artifacts``)."""
     artifacts_loaded: int = 0

@@ -4,6 +4,7 @@ wrapper every pass runs through (``apply_pass``)."""
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -35,6 +36,17 @@ def callable_name(node: torch.fx.Node) -> str:
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return target.__name__.split(".")[0]
     return getattr(target, "__name__", str(target))
+
+
+_IN_PLACE_OPERATORS = frozenset({"iadd", "imul", "isub", "itruediv", "iand", "ior"})
+"""In-place operators (``x += y``) besides the ``*_`` methods."""
+
+
+def writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether a call writes into its first argument: an ``add_``-style method or function, or an in-place operator
+    (``x += y``); ``and_``/``or_`` are the operator module's plain ``&`` and ``|``."""
+    name = callable_name(node)
+    return (name.endswith("_") and node.target not in (operator.and_, operator.or_)) or name in _IN_PLACE_OPERATORS
 
 
 def _schema(node: torch.fx.Node) -> torch.FunctionSchema:

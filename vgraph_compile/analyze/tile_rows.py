@@ -41,7 +41,7 @@ from vgraph_compile.analyze.checks import check_no_host_sync
 from vgraph_compile.analyze.inputs import feature_sizes, graph_inputs, input_sizes, output_shapes, simplifier
 from vgraph_compile.analyze.roles import other_roles
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.fx_utils import callable_name, example_value
+from vgraph_compile.fx_utils import callable_name, example_value, writes_in_place
 from vgraph_compile.spec import PassContext, VarlenSpec
 
 __all__ = ["run", "row_dims", "TileMixingError"]
@@ -148,9 +148,7 @@ class _Rules:
             placed.add(ndim - (_ndim(arg) - dim))
         if len(placed) > 1:
             raise self.refuse(node, f"broadcasts tiled inputs against each other along dims {sorted(placed)}")
-        name = callable_name(node)
-        in_place = (name.endswith("_") and node.target not in (operator.and_, operator.or_)) or name in _IN_PLACE
-        if in_place and placed and rows(node.args[0]) is None:
+        if writes_in_place(node) and placed and rows(node.args[0]) is None:
             raise self.refuse(node, "writes tiled values into an untiled tensor in place")
         return placed.pop() if placed else None
 
@@ -550,8 +548,6 @@ def _apply(rules: _Rules, rule: str, node: torch.fx.Node, rows) -> RowDim:
     return getattr(rules, rule)(node, rows)
 
 
-_IN_PLACE = frozenset({"iadd", "imul", "isub", "itruediv", "iand", "ior"})
-"""In-place operators (``x += y``) besides the ``*_`` methods."""
 _SIZE_ARGUMENTS = frozenset(
     "view reshape expand repeat flatten unflatten narrow split chunk tensor_split interpolate new_zeros new_ones "
     "new_empty zeros ones empty _check _assert size".split()

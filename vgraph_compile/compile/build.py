@@ -221,13 +221,14 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     compiled_graph = rewrite(copy.deepcopy(gm), ctx, REWRITES + COMPILE_REWRITES)
     prepared = tuple((name, str(device)) for name, device in select_kernel.kernels_used(compiled_graph))
     layout = _layout(compiled_graph, ctx)
+    kernels = select_kernel.kernels_by_group(compiled_graph, ctx)
     result = compile_once(compiled_graph, ctx)
     record = BuildRecord(
         eager=eager,
         layout=layout,
         shapes=tuple(result.shapes),
         cudagraphs=cudagraphs,
-        kernels=select_kernel.kernels_by_group(compiled_graph, ctx),
+        kernels=kernels,
         folded=folded,
         prepared=prepared,
         artifact_key=result.artifact_key,

@@ -10,6 +10,10 @@ make a pin's own guard trivially true), and a bucket where one fails is dropped 
 by code that assumed otherwise. ``shape_padding`` is off: its guards split the budget range, and
 ``rewrite/align_matmuls`` pads the widths that need it instead.
 
+Each class of identical repeated blocks (a ViT's 24-32 blocks) is lowered once and called per block
+(``compile/repeated_blocks``, ``compile_blocks_once``); the artifact key is taken on the graph before that
+rewrite, which the config and the vgraph sources determine.
+
 The compiled code is saved as an artifact a second process loads instead of compiling (``compile/artifacts``).
 
 The example inputs inductor sees are the trace's fake values: token-sized tensors contiguous (the runtime's
@@ -27,7 +31,7 @@ import torch
 import torch.fx
 
 from vgraph_compile.analyze import bounds
-from vgraph_compile.compile import artifacts
+from vgraph_compile.compile import artifacts, repeated_blocks
 from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import substitute
@@ -79,9 +83,12 @@ _INDUCTOR_OPTIONS = {"shape_padding": False, "triton.cudagraphs": False}
 
 
 def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, Any]:
-    """The compiled graph, and its saveable ``CompiledArtifact`` (None where this torch has none)."""
+    """The compiled graph, and its saveable ``CompiledArtifact`` (None where this torch has none). With
+    ``compile_blocks_once``, ``gm``'s repeated blocks first become calls of shared subgraphs (in place)."""
     from torch._inductor.compile_fx import compile_fx
 
+    if ctx.config.compile_blocks_once:
+        gm = repeated_blocks.run(gm)
     with torch._inductor.config.patch(_INDUCTOR_OPTIONS), torch.no_grad():
         if artifacts.available():
             compiled = torch._inductor.standalone_compile(
