@@ -19,7 +19,9 @@ with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment straddli
 block) although the tiles equal ``create_block_mask``'s; built outside, the same mask gives the exact result. On the
 CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured
 tensor, and the eager path is the exact unfused computation. A masked tile still multiplies masked values by a
-zero weight, so the kernel runs ``segments.confined``: a NaN/Inf in one segment reaches no other.
+zero weight, so the kernel runs ``segments.confined``: a NaN/Inf in one segment reaches no other. Its queries are
+confined too: in bf16, flex spreads a NaN in one query row to other rows of its head (measured on the CPU, torch
+2.11-2.13, and seen as a failed isolation test on an H200).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def unconfined(
             return _attend(q, k, v, cu_seqlens, scale, flex_attention)
 
 
-attention = confined(unconfined)
+attention = confined(unconfined, queries=True)
 
 
 _FUNCTORCH_KEYS = [

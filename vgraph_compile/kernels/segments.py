@@ -108,13 +108,18 @@ def finish_output_reference(
     return out.masked_fill((ids == cu_seqlens.shape[0] - 1)[:, None, None], 0)
 
 
-def confined(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def confined(kernel: Callable[..., torch.Tensor], queries: bool = False) -> Callable[..., torch.Tensor]:
     """``kernel`` (an ``attention(q, k, v, cu_seqlens, max_seqlen, scale)`` that reads across segment edges)
-    given confined k/v, its output marked NaN on the poisoned segments' heads and zero past ``cu_seqlens[-1]``."""
+    given confined k/v, its output marked NaN on the poisoned segments' heads and zero past ``cu_seqlens[-1]``.
+    ``queries``: q is confined too (its non-finite entries zeroed, their segments poisoned), for a kernel whose
+    output rows can read other rows' queries."""
 
     @functools.wraps(kernel)
     def attention(q, k, v, cu_seqlens, max_seqlen, scale):
         k, v, poisoned = confine_nonfinite(k, v, cu_seqlens)
+        if queries:
+            q, _, poisoned_queries = confine_nonfinite(q, q, cu_seqlens)
+            poisoned = poisoned | poisoned_queries
         return finish_output(kernel(q, k, v, cu_seqlens, max_seqlen, scale), cu_seqlens, poisoned)
 
     return attention
