@@ -1,9 +1,13 @@
 """Groups of gloo processes for the multi-process tests of ``tests/hf`` (data- and sequence-parallel encoding).
 
-One group per size is spawned for the whole session (the ``gloo_group`` fixture) and runs the ``CHECKS[ranks]``
+One group per size is started for the whole session (the ``gloo_group`` fixture) and runs the ``CHECKS[ranks]``
 of every module in ``CHECK_MODULES`` in turn; the checks share the compiled toy towers and the whole tiny VLM of
 their process (``compiled``, ``tiny_vlm``), each switching the mode it tests (``parallel``). Each rank writes what
 each check gave (``ok`` or the traceback) to a file, and the tests read them (``assert_passed``).
+
+The ranks are forked from one server process that imported torch, transformers' Qwen modules and the checks once
+(``PRELOAD``): a fresh single-threaded interpreter, so forking it is safe, and no rank imports them again. The
+server starts when the tests are collected (``start_server``) and imports while the tests before the groups run.
 """
 
 from __future__ import annotations
@@ -23,7 +27,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from vgraph_compile.models.qwen_towers import REAL_SIZES
+
 CHECK_MODULES = ("tests.hf.test_data_parallel", "tests.hf.test_sequence_parallel")
+PRELOAD = (
+    __name__,
+    *CHECK_MODULES,
+    "vgraph_compile.hf",
+    "vgraph_compile.models.qwen_vlms",
+    *(module for module, *_ in REAL_SIZES.values()),
+    "functorch.compile",
+)
+"""What the ranks' server imports before it forks them: the checks, the modules their models are built from, and
+dynamo's compile stack (imported at a first trace)."""
 
 OPTIONS = dict(token_budgets=[64, 256], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa")
 """Small buckets: over 3 items, 6 frames or 256 patches split a rank's share (data parallel), or a rank's slice
@@ -138,9 +154,19 @@ def _rank(rank: int, ranks: int, directory: str) -> None:
         dist.destroy_process_group()
 
 
+def start_server() -> None:
+    """Start the server the ranks are forked from, if it is not running: it imports ``PRELOAD`` in the background."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
+
+
 def spawn(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
-    """Run every module's checks in one spawned group of ``ranks`` gloo processes: (ranks, each rank's results)."""
-    torch.multiprocessing.spawn(_rank, args=(ranks, str(directory)), nprocs=ranks)
+    """Run every module's checks in one group of ``ranks`` gloo processes: (ranks, each rank's results)."""
+    start_server()
+    torch.multiprocessing.start_processes(_rank, args=(ranks, str(directory)), nprocs=ranks, start_method="forkserver")
     return ranks, [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
