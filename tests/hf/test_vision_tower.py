@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
@@ -53,6 +53,7 @@ def _assert_same(out, ref):
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@settings(max_examples=10)  # three eager tower runs an example, up to 6 items of up to 960 patches
 @given(grid=grids)
 def test_equal_to_eager_tower(towers, compiled, name, grid):
     tower = towers[name]
@@ -63,8 +64,9 @@ def test_equal_to_eager_tower(towers, compiled, name, grid):
             ref = tower(pixel_values, grid_thw)
     assert type(out) is type(ref)
     _assert_same(out, ref)
-    stock = tower(pixel_values, grid_thw)  # transformers' own sdpa path, per segment
-    torch.testing.assert_close(out.pooler_output, stock.pooler_output.detach(), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        stock = tower(pixel_values, grid_thw)  # transformers' own sdpa path, per segment
+    torch.testing.assert_close(out.pooler_output, stock.pooler_output, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
