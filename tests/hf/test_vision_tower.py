@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
@@ -53,7 +53,6 @@ def _assert_same(out, ref):
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
-@settings(max_examples=10)  # three eager tower runs an example, up to 6 items of up to 960 patches
 @given(grid=grids)
 def test_equal_to_eager_tower(towers, compiled, name, grid):
     tower = towers[name]
