@@ -16,17 +16,18 @@ def towers():
 
 
 def pytest_collection_finish(session):
-    """Start the gloo groups' server as soon as a test that needs a group is collected (``gloo_group.py``)."""
-    if any("gloo_group" in getattr(item, "fixturenames", ()) for item in session.items):
-        from tests.hf.gloo_group import start_server
+    """Start the gloo groups the collected tests read, in the background (``gloo_group.py``)."""
+    sizes = {item.callspec.params["gloo_group"] for item in session.items if "gloo_group" in item.fixturenames}
+    if sizes:
+        from tests.hf.gloo_group import start
 
-        start_server()
+        start(sorted(sizes))
 
 
 @pytest.fixture(scope="session", params=[2, 3])
-def gloo_group(request, tmp_path_factory):
+def gloo_group(request):
     """(ranks, each rank's {check: "ok" or traceback}) from one group of gloo processes that ran the
     multi-process checks of tests/hf (``tests/hf/gloo_group.py``)."""
-    from tests.hf.gloo_group import spawn
+    from tests.hf.gloo_group import results
 
-    return spawn(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))
+    return results(request.param)

@@ -6,19 +6,23 @@ their process (``compiled``, ``tiny_vlm``), each switching the mode it tests (``
 each check gave (``ok`` or the traceback) to a file, and the tests read them (``assert_passed``).
 
 The ranks are forked from one server process that imported torch, transformers' Qwen modules and the checks once
-(``PRELOAD``): a fresh single-threaded interpreter, so forking it is safe, and no rank imports them again. The
-server starts when the tests are collected (``start_server``) and imports while the tests before the groups run.
+(``PRELOAD``): a fresh single-threaded interpreter, so forking it is safe, and no rank imports them again. When the
+tests are collected, the groups they need start running one after another in a background thread (``start``):
+their processes share nothing with the test process, and the tests of other modules run meanwhile; a test reading
+a group waits for it (``results``).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import datetime
 import functools
 import importlib
 import json
 import os
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator
@@ -163,11 +167,31 @@ def start_server() -> None:
     forkserver.ensure_running()
 
 
-def spawn(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
+def spawn(ranks: int) -> tuple[int, list[dict[str, str]]]:
     """Run every module's checks in one group of ``ranks`` gloo processes: (ranks, each rank's results)."""
     start_server()
-    torch.multiprocessing.start_processes(_rank, args=(ranks, str(directory)), nprocs=ranks, start_method="forkserver")
-    return ranks, [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    with tempfile.TemporaryDirectory(prefix=f"gloo{ranks}-") as directory:
+        torch.multiprocessing.start_processes(_rank, args=(ranks, directory), nprocs=ranks, start_method="forkserver")
+        return ranks, [json.loads(Path(directory, f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+_GROUPS: dict[int, concurrent.futures.Future] = {}
+"""Each group size's run, started by ``start``."""
+
+
+def start(sizes) -> None:
+    """Run the groups of ``sizes`` not started yet, one after another, in a background thread."""
+    sizes = [ranks for ranks in sizes if ranks not in _GROUPS]
+    if sizes:
+        runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gloo-groups")
+        _GROUPS.update({ranks: runner.submit(spawn, ranks) for ranks in sizes})
+        runner.shutdown(wait=False)
+
+
+def results(ranks: int) -> tuple[int, list[dict[str, str]]]:
+    """The group of ``ranks``: (ranks, each rank's results), once its run (started here if it was not) ends."""
+    start([ranks])
+    return _GROUPS[ranks].result()
 
 
 def assert_passed(group: tuple[int, list[dict[str, str]]], check: Callable, checks: dict[int, list]) -> None:
