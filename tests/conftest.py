@@ -9,6 +9,11 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
 os.environ["VGRAPH_ARTIFACT_DIR"] = ""  # compiles stay counted as compiles; tests of artifacts name their directory
+# One intra-op thread, here and in the child processes the tests start: the tests' tensors are small, so a second
+# thread buys little, and on a shared machine its OpenMP spin-waits, while the other thread is descheduled, made the
+# suite several times slower. A thread count set by the caller (OMP_NUM_THREADS) is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 settings.register_profile(
     "default", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True

@@ -1,20 +1,28 @@
 """Groups of gloo processes for the multi-process tests of ``tests/hf`` (data- and sequence-parallel encoding).
 
-One group per size is spawned for the whole session (the ``gloo_group`` fixture) and runs the ``CHECKS[ranks]``
+One group per size is started for the whole session (the ``gloo_group`` fixture) and runs the ``CHECKS[ranks]``
 of every module in ``CHECK_MODULES`` in turn; the checks share the compiled toy towers and the whole tiny VLM of
 their process (``compiled``, ``tiny_vlm``), each switching the mode it tests (``parallel``). Each rank writes what
 each check gave (``ok`` or the traceback) to a file, and the tests read them (``assert_passed``).
+
+The ranks are forked from one server process that imported torch, transformers' Qwen modules and the checks once
+(``PRELOAD``): a fresh single-threaded interpreter, so forking it is safe, and no rank imports them again. When the
+tests are collected, the groups they need start running one after another in a background thread (``start``):
+their processes share nothing with the test process, and the tests of other modules run meanwhile; a test reading
+a group waits for it (``results``).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import datetime
 import functools
 import importlib
 import json
 import os
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,7 +31,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from vgraph_compile.models.qwen_towers import REAL_SIZES
+
 CHECK_MODULES = ("tests.hf.test_data_parallel", "tests.hf.test_sequence_parallel")
+PRELOAD = (
+    __name__,
+    *CHECK_MODULES,
+    "vgraph_compile.hf",
+    "vgraph_compile.models.qwen_vlms",
+    *(module for module, *_ in REAL_SIZES.values()),
+    "functorch.compile",
+)
+"""What the ranks' server imports before it forks them: the checks, the modules their models are built from, and
+dynamo's compile stack (imported at a first trace)."""
 
 OPTIONS = dict(token_budgets=[64, 256], max_items=3, max_frames=6, compiler="eager", attention_backend="sdpa")
 """Small buckets: over 3 items, 6 frames or 256 patches split a rank's share (data parallel), or a rank's slice
@@ -138,10 +158,40 @@ def _rank(rank: int, ranks: int, directory: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
-    """Run every module's checks in one spawned group of ``ranks`` gloo processes: (ranks, each rank's results)."""
-    torch.multiprocessing.spawn(_rank, args=(ranks, str(directory)), nprocs=ranks)
-    return ranks, [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+def start_server() -> None:
+    """Start the server the ranks are forked from, if it is not running: it imports ``PRELOAD`` in the background."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
+
+
+def spawn(ranks: int) -> tuple[int, list[dict[str, str]]]:
+    """Run every module's checks in one group of ``ranks`` gloo processes: (ranks, each rank's results)."""
+    start_server()
+    with tempfile.TemporaryDirectory(prefix=f"gloo{ranks}-") as directory:
+        torch.multiprocessing.start_processes(_rank, args=(ranks, directory), nprocs=ranks, start_method="forkserver")
+        return ranks, [json.loads(Path(directory, f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+_GROUPS: dict[int, concurrent.futures.Future] = {}
+"""Each group size's run, started by ``start``."""
+
+
+def start(sizes) -> None:
+    """Run the groups of ``sizes`` not started yet, one after another, in a background thread."""
+    sizes = [ranks for ranks in sizes if ranks not in _GROUPS]
+    if sizes:
+        runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gloo-groups")
+        _GROUPS.update({ranks: runner.submit(spawn, ranks) for ranks in sizes})
+        runner.shutdown(wait=False)
+
+
+def results(ranks: int) -> tuple[int, list[dict[str, str]]]:
+    """The group of ``ranks``: (ranks, each rank's results), once its run (started here if it was not) ends."""
+    start([ranks])
+    return _GROUPS[ranks].result()
 
 
 def assert_passed(group: tuple[int, list[dict[str, str]]], check: Callable, checks: dict[int, list]) -> None:
