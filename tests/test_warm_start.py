@@ -5,10 +5,7 @@ is never used, and a damaged one is rebuilt. Each test saves into its own ``tmp_
 import hashlib
 import json
 import logging
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,6 @@ from vgraph_compile.counters import counters
 from vgraph_compile.warm_start import BuildPlan, GraphPlan
 from vgraph_compile.models.packed_vit import PackedViT, pack_images
 
-ROOT = Path(__file__).resolve().parents[1]
 CALLS = ([5, 7], [30, 20], [3])
 """One call per bucket and one more: 16- and 64-token buckets."""
 OPTIONS = {"token_budgets": (16, 64), "max_segments": 4, "attention_backend": "sdpa"}
@@ -74,17 +70,13 @@ def _plans(directory: Path, kind: type = BuildPlan) -> list[Path]:
     return sorted(path for path in directory.glob("*.plan") if type(pickle.loads(path.read_bytes())) is kind)
 
 
-def test_a_second_process_serves_with_no_trace_and_no_compile(tmp_path):
+def test_a_second_process_serves_with_no_trace_and_no_compile(tmp_path, new_process):
     """The first process traces, compiles with inductor and saves; a new process with other weights serves every
     call from the plan and the compiled artifact: no dynamo frame, no trace, no compile, its own weights read,
     every call replayed and eager-equal."""
     with counters.expect(**FIRST, compiles=1, artifacts_saved=1):
         _serve(_model(), tmp_path)
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.run(
-        [sys.executable, "-c", SERVE, str(tmp_path), "1", json.dumps(CALLS)],
-        capture_output=True, text=True, cwd=ROOT, env=environment, timeout=300,
-    )  # fmt: skip
+    child = new_process(SERVE, str(tmp_path), "1", json.dumps(CALLS))
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     moved = {name: value for name, value in report["counters"].items() if value}

@@ -3,10 +3,6 @@ stay apart; the compiled graph equals eager on any shape; a second process loads
 
 import copy
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +24,6 @@ from vgraph_compile.models.packed_vit import Block, PackedViT, WindowedViT, pack
 from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, rewrite
 from vgraph_compile.spec import user_name
 
-ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {"token_budgets": (16, 64), "max_segments": 4, "attention_backend": "sdpa"}
 
 
@@ -257,15 +252,12 @@ print(json.dumps({"counters": counters.snapshot(), "frames": frames, "errors": e
 """
 
 
-def test_a_second_process_loads_the_shared_block_compile(windowed):
+def test_a_second_process_loads_the_shared_block_compile(windowed, new_process):
     """A new process with other weights serves from the saved plan and compiled artifact: no dynamo frame, no
     trace, no compile (so no block pass either), its own weights read, every call replayed and eager-equal."""
     _, _, directory = windowed
     calls = [[(1, 8, 12), (1, 4, 4)], [(2, 4, 8)], [(1, 12, 12), (1, 2, 2)]]
-    child = subprocess.run(
-        [sys.executable, "-c", SERVE, str(directory), json.dumps(calls)],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300,
-    )  # fmt: skip
+    child = new_process(SERVE, str(directory), json.dumps(calls))
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     moved = {name: value for name, value in report["counters"].items() if value}
