@@ -1,10 +1,9 @@
-"""The headline path as a new user meets it: plain ``torch.compile(encoder, backend="vgraph", dynamic=True)`` with
-dynamo's default config, inductor, and a cold cache of the module's own (each graph a cache miss). Aot_autograd's
-tensorify pass restarts dynamo on such a first trace (``TensorifyScalarRestartAnalysis``); only a build inside
-dynamo's call of the backend lets that restart happen. Each encoder: one compile on the first call, then calls of
-other sizes served by the buckets (counted replays: an eager fallback fails the test) and equal to eager. ClsViT
-splits its image counts into three traces, one of them specialized by inductor: each is compiled once and bucketed at
-its own sizes."""
+"""The headline path as a new user meets it: plain ``torch.compile(encoder, backend="vgraph", dynamic=True)``
+with dynamo's default config, inductor, and a cold cache of the module's own (each graph a cache miss). Aot_autograd's tensorify pass restarts
+dynamo on such a first trace (``TensorifyScalarRestartAnalysis``); only a build inside dynamo's call of the
+backend lets that restart happen. Each encoder: one compile on the first call, then calls of other sizes served by
+the buckets (counted replays: an eager fallback fails the test) and equal to eager. ClsViT splits its image counts
+into three traces, one of them specialized by inductor: each is compiled once and bucketed at its own sizes."""
 
 import pytest
 import torch
