@@ -26,24 +26,21 @@ settings.register_profile("thorough", deadline=None, max_examples=300, suppress_
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-@pytest.fixture(scope="module")
-def cold_inductor_cache(tmp_path_factory):
-    """An empty inductor (and Triton) cache directory of the module's own, with torch's in-memory compile caches
-    and dynamo cleared: the module's first compile starts cold, as on a fresh machine. Later tests of the module
-    compile graphs new to it (an FX graph cache miss, lowered and compiled in full: the tests count the misses)
-    and reuse only the C++ kernels of identical source. Yields the directory
+@pytest.fixture
+def cold_inductor_cache(tmp_path, monkeypatch):
+    """An empty inductor (and Triton) cache directory of the test's own, with torch's in-memory compile caches
+    and dynamo cleared: the first compile in the test starts cold, as on a fresh machine. Yields the directory
     (``torch._inductor.runtime.cache_dir_utils.cache_dir()`` reads the variable at every use)."""
     from torch._inductor.utils import clear_caches
 
-    directory = tmp_path_factory.mktemp("cold") / "inductor"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
-        monkeypatch.setenv("TRITON_CACHE_DIR", str(directory / "triton"))
-        clear_caches()
-        torch._dynamo.reset()
-        yield directory
-        clear_caches()
-        torch._dynamo.reset()
+    directory = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(directory / "triton"))
+    clear_caches()
+    torch._dynamo.reset()
+    yield directory
+    clear_caches()
+    torch._dynamo.reset()
 
 
 FORK_SERVER = """

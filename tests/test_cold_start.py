@@ -1,5 +1,5 @@
 """The headline path as a new user meets it: plain ``torch.compile(encoder, backend="vgraph", dynamic=True)``
-with dynamo's default config, inductor, and a cold cache of the module's own (each graph a cache miss). Aot_autograd's tensorify pass restarts
+with dynamo's default config, inductor, and a cold cache of the test's own. Aot_autograd's tensorify pass restarts
 dynamo on such a first trace (``TensorifyScalarRestartAnalysis``); only a build inside dynamo's call of the
 backend lets that restart happen. Each encoder: one compile on the first call, then calls of other sizes served by
 the buckets (counted replays: an eager fallback fails the test) and equal to eager. ClsViT splits its image counts
@@ -88,7 +88,6 @@ ENCODERS = {
 
 @pytest.mark.parametrize("name", ENCODERS)
 def test_plain_torch_compile_on_a_cold_cache(name, cold_inductor_cache):
-    torch._dynamo.reset()
     _compile_and_serve(*ENCODERS[name], cold_inductor_cache)
 
 
@@ -112,22 +111,22 @@ def test_cls_rows_at_one_two_three_and_five_images(cold_inductor_cache):
     size, not padded to the budget's segment count: its calls replay and equal eager, in either order. The first
     order compiles on the cold cache; the second, after a dynamo reset, loads the three compiles from inductor's
     cache, which adds the same specialization to its new trace."""
-    for calls, cached in zip(CLS_IMAGE_COUNTS.values(), (False, True)):
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    for calls in CLS_IMAGE_COUNTS.values():
         torch._dynamo.reset()
-        _compile_and_serve(*CLS_VIT, calls, cold_inductor_cache, traces=3, cached=cached)
+        dynamo_counters.clear()
+        _compile_and_serve(*CLS_VIT, calls, cold_inductor_cache, traces=3)
         traces = vgraph_compile.runtimes()[-3:]
         (two_images,) = [runtime for runtime in traces if runtime.buckets[0].shape.segments == (2,)]
         assert [bucket.stats.hits for bucket in two_images.buckets] == [2, 0], two_images.stats_table()
+    inductor = dynamo_counters["inductor"]
+    assert (inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]) == (3, 0), dict(dynamo_counters)
 
 
-def _compile_and_serve(build, options, make_inputs, calls, cache_directory, traces=1, cached=False):
+def _compile_and_serve(build, options, make_inputs, calls, cache_directory, traces=1):
     """Compile ``build()`` with plain torch.compile and call it on ``calls``: ``traces`` traces, one compile each,
-    every call served by a bucket and equal to eager. Each compile is an FX graph cache miss whose files inductor
-    writes in ``cache_directory`` or, ``cached``, a hit of one compiled before."""
-    from torch._dynamo.utils import counters as dynamo_counters
-
-    dynamo_counters.clear()
-    files = {path for path in cache_directory.rglob("*") if path.is_file()}
+    every call served by a bucket and equal to eager, and inductor's files written in ``cache_directory``."""
     torch.manual_seed(0)
     model = build().eval()
     compiled = torch.compile(
@@ -144,9 +143,4 @@ def _compile_and_serve(build, options, make_inputs, calls, cache_directory, trac
     assert (changes["replays"], changes["eager_fallbacks"], changes["buckets_dropped"]) == (len(calls), 0, 0), changes
     served = vgraph_compile.runtimes()[-traces:]
     assert sum(runtime.hits for runtime in served) == len(calls), [runtime.stats_table() for runtime in served]
-    inductor = dynamo_counters["inductor"]
-    hits_and_misses = (traces, 0) if cached else (0, traces)
-    assert (inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]) == hits_and_misses, dict(dynamo_counters)
-    if not cached:
-        written = {path for path in cache_directory.rglob("*") if path.is_file()} - files
-        assert written, "inductor wrote outside the module's cache"
+    assert any(path.is_file() for path in cache_directory.rglob("*")), "inductor wrote outside the test's cache"
