@@ -25,10 +25,12 @@ FAMILIES = (
 """The VLM families whose tower takes a batch of same-size images (issue table); their towers are built from the
 families' own configs below, so a family whose tower class others share is tested once per tower class."""
 TINY = dict(
-    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
 )
+"""One block (each block adds to the dynamo trace every test makes; the blocks of a tower are alike)."""
 SAM = dict(mlp_dim=64, output_channels=16, window_size=2, global_attn_indexes=[1])
-"""GOT-OCR2's SAM encoder: a windowed layer, then a global one."""
+"""GOT-OCR2's SAM encoder: a windowed layer, then a global one (two blocks where a config has
+``global_attn_indexes``)."""
 MAX_ITEMS, EXACT_ITEMS = 10, 4
 # buckets 1, 2, 3, 4, 5, 7, 8, 10: N = 1, 2, 7 (a prime and exactly a bucket), 10 (max_items), 16 (past
 # max_items: 10 + 6, two graph calls, the 6 padded to the bucket of 7)
@@ -47,6 +49,8 @@ def tiny_tower(family: str) -> torch.nn.Module:
     config to (AutoModel), else the family's module class whose config_class is that config."""
     vision = transformers.CONFIG_MAPPING[family]().vision_config
     _set(vision, {**TINY, **SAM})
+    if hasattr(vision, "global_attn_indexes"):
+        vision.num_hidden_layers = 2
     try:
         tower = transformers.AutoModel.from_config(vision)
     except ValueError:

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
@@ -53,6 +53,7 @@ def _assert_same(out, ref):
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@settings(max_examples=10)  # each example runs the served tower and two eager ones
 @given(grid=grids)
 def test_equal_to_eager_tower(towers, compiled, name, grid):
     tower = towers[name]
