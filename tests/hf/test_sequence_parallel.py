@@ -75,7 +75,9 @@ def test_towers_a_slice_cannot_serve_are_refused(family, reason):
     from vgraph_compile.models.hf_families import build_tower
 
     with pytest.raises(ValueError, match=f"parallel='sequence': .*{reason}; use parallel='data'"):
-        compile_vision_tower(build_tower(family, tiny=True), parallel="sequence", compiler="eager")
+        compile_vision_tower(
+            build_tower(family, tiny=True), token_budgets=[256], parallel="sequence", compiler="eager"
+        )
 
 
 # -- groups of processes (tests/hf/gloo_group.py) ----------------------------------------------------------------

@@ -25,10 +25,12 @@ FAMILIES = (
 """The VLM families whose tower takes a batch of same-size images (issue table); their towers are built from the
 families' own configs below, so a family whose tower class others share is tested once per tower class."""
 TINY = dict(
-    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
 )
+"""One block (each block adds to the dynamo trace every test makes; the blocks of a tower are alike)."""
 SAM = dict(mlp_dim=64, output_channels=16, window_size=2, global_attn_indexes=[1])
-"""GOT-OCR2's SAM encoder: a windowed layer, then a global one."""
+"""GOT-OCR2's SAM encoder: a windowed layer, then a global one (two blocks where a config has
+``global_attn_indexes``)."""
 MAX_ITEMS, EXACT_ITEMS = 10, 4
 # buckets 1, 2, 3, 4, 5, 7, 8, 10: N = 1, 2, 7 (a prime and exactly a bucket), 10 (max_items), 16 (past
 # max_items: 10 + 6, two graph calls, the 6 padded to the bucket of 7)
@@ -47,6 +49,8 @@ def tiny_tower(family: str) -> torch.nn.Module:
     config to (AutoModel), else the family's module class whose config_class is that config."""
     vision = transformers.CONFIG_MAPPING[family]().vision_config
     _set(vision, {**TINY, **SAM})
+    if hasattr(vision, "global_attn_indexes"):
+        vision.num_hidden_layers = 2
     try:
         tower = transformers.AutoModel.from_config(vision)
     except ValueError:
@@ -114,12 +118,28 @@ def test_variable_size_towers_are_not_tile_towers(family):
         compile_tile_tower(tiny_tower(family))
 
 
+@pytest.fixture(scope="module")
+def bucketed():
+    """family -> (its tiny tower, that tower over the buckets of MAX_ITEMS and EXACT_ITEMS), made at the first ask:
+    the tests calling it with ``output_hidden_states=True`` share its one trace."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            tower = tiny_tower(family)
+            made[family] = tower, compile_tile_tower(
+                tower, max_items=MAX_ITEMS, exact_items=EXACT_ITEMS, compiler="eager"
+            )
+        return made[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family", SERVED)
-def test_tower_is_eager_equal_and_served_by_bucket_graphs(family):
+def test_tower_is_eager_equal_and_served_by_bucket_graphs(bucketed, family):
     """Every N of CALLS matches the stock tower (last_hidden_state, pooler_output, every hidden state) and is served
     by graphs: one replay per call, two for the call past max_items."""
-    tower = tiny_tower(family)
-    compiled = compile_tile_tower(tower, max_items=MAX_ITEMS, exact_items=EXACT_ITEMS, compiler="eager")
+    tower, compiled = bucketed(family)
     assert tile_buckets(MAX_ITEMS, EXACT_ITEMS) == (1, 2, 3, 4, 5, 7, 8, 10)
     with torch.no_grad():
         compiled(_pixels(3), output_hidden_states=True)  # the trace
@@ -185,15 +205,15 @@ def test_padding_tiles_with_patch_mask(family):
     _assert_outputs_equal(got, tower(pixels, patch_attention_mask=mask))
 
 
-def test_nan_tile_leaves_the_others_bit_identical():
-    tower = tiny_tower("internvl")
-    compiled = compile_tile_tower(tower, max_items=8, compiler="eager")
+def test_nan_tile_leaves_the_others_bit_identical(bucketed):
+    """Six tiles in the bucket of seven (one padding tile), on the trace the eager comparison made."""
+    _, compiled = bucketed("internvl")
     pixels = _pixels(6)
     with torch.no_grad():
-        clean = compiled(pixels).last_hidden_state
+        clean = compiled(pixels, output_hidden_states=True).last_hidden_state
         pixels[2, 0, 5, 5] = float("nan")
         pixels[4, 1, 0, 0] = float("inf")
-        poisoned = compiled(pixels).last_hidden_state
+        poisoned = compiled(pixels, output_hidden_states=True).last_hidden_state
     keep = [0, 1, 3, 5]
     assert torch.equal(clean[keep], poisoned[keep])
     assert poisoned[2].isnan().any()
