@@ -112,10 +112,13 @@ class VisionGeometry:
             raise ValueError(
                 f"token_budget {token_budget} holds no frame: the smallest frame has {merge * merge} patches"
             )
-        substitution = {_B: token_budget, _F: frames, _M: merge, _W: self.merged_window or 1}
+        substitution = {
+            symbol: sympy.Integer(value)
+            for symbol, value in ((_B, token_budget), (_F, frames), (_M, merge), (_W, self.merged_window or 1))
+        }
         values, derivation = {}, []
         for key, expr in _EXPRESSIONS.items():
-            value = int(expr.subs(substitution))
+            value = int(expr.xreplace(substitution))  # exact on integers; ~150x faster than subs
             if key in ("windows", "max_seqlen_window") and self.window_size is None:
                 value, expr = 0, sympy.Integer(0)
             values[key] = value
