@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from vgraph_compile.bench.report import write_report
+
 
 def _encoder(kind: str, depth: int):
     from vgraph_compile.models import examples
@@ -99,9 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             os.remove(path)
         report["encoders"][kind] = {**runs, "max_abs_diff_inline_vs_blocks": difference}
         print(json.dumps({kind: report["encoders"][kind]}), flush=True)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+    write_report(report, args.json)
     return report
 
 

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from vgraph_compile.bench.report import write_report
+
 KERNELS = (100, 400, 1000)
 ELEMENTS = (2**12, 2**20, 2**22, 2**24)
 QUEUES = (None, "4x")
@@ -184,9 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["runs"].append(run)
         for row in run["rows"]:
             print(f"queue={queue} " + " ".join(f"{key}={value}" for key, value in row.items()), flush=True)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+    write_report(report, args.json)
     return report
 
 
