@@ -19,7 +19,6 @@ driver reads it when it creates the context).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ import time
 import torch
 
 from vgraph_compile.bench.report import write_report
+from vgraph_compile.compile.buckets import upload
 
 KERNELS = (100, 400, 1000)
 ELEMENTS = (2**12, 2**20, 2**22, 2**24)
@@ -79,14 +79,6 @@ def _capture(kernels: int, elements: int, memory_nodes: bool = False) -> tuple[t
     return graph, x
 
 
-def _upload(graph: torch.cuda.CUDAGraph) -> None:
-    driver = ctypes.CDLL("libcuda.so.1")
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    result = driver.cuGraphUpload(ctypes.c_void_p(graph.raw_cuda_graph_exec()), stream)
-    if result != 0:
-        raise RuntimeError(f"cuGraphUpload returned {result}")
-
-
 def _child() -> dict:
     torch.cuda.init()
     torch.ones(1, device="cuda")
@@ -124,7 +116,8 @@ def _child() -> dict:
             graph, _ = _capture(400, elements)
             torch.cuda.synchronize()
             if uploaded:
-                _upload(graph)
+                if not upload(graph):
+                    raise RuntimeError("cuGraphUpload did not take the graph")
                 torch.cuda.synchronize()
             first = _host_us(graph.replay, 1)
             rows.append(

@@ -40,6 +40,8 @@ class Counters:
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0
     """CUDA graphs recorded (one per bucket when cudagraphs are on)."""
+    graphs_uploaded: int = 0
+    """Captured graphs the driver uploaded at capture (``compile/buckets.upload``), so their first replay does not."""
     buckets_dropped: int = 0
     """Buckets given up: a guard of the compiled code fails at their sizes, or out of GPU memory at capture."""
     replays: int = 0

@@ -58,7 +58,9 @@ def test_a_second_process_captures_and_replays_the_saved_plan(tmp_path):
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     moved = {name: value for name, value in report["counters"].items() if value}
-    assert moved == dict(plans_loaded=1, artifacts_loaded=1, buckets_built=2, graphs_captured=2, replays=3)
+    assert moved == dict(
+        plans_loaded=1, artifacts_loaded=1, buckets_built=2, graphs_captured=2, graphs_uploaded=2, replays=3
+    )
     assert report["frames"] == 0
     assert all(error is not False and error <= 1e-5 for error in report["errors"]), report["errors"]
 

@@ -38,7 +38,9 @@ from vgraph_compile.symbolic import evaluate
 from vgraph_compile.spec import BucketShape, Role, VarlenSpec
 from vgraph_compile.compile import padding
 
-__all__ = ["Bucket", "BucketStats", "allocate", "capture", "padded_fraction", "STAGE_ALIGNMENT"]
+__all__ = [
+    "Bucket", "BucketStats", "allocate", "capture", "padded_fraction", "pool_bytes", "upload", "STAGE_ALIGNMENT"
+]
 
 log = logging.getLogger(__name__)
 
@@ -210,18 +212,19 @@ def _driver() -> "ctypes.CDLL | None":
         return None
 
 
-def _upload(graph: "torch.cuda.CUDAGraph") -> None:
-    """Upload the captured graph to the device now (``cuGraphUpload``; torch has no binding for it): its first
-    replay then costs what every later one does, not the upload (0.34-0.41 ms of host time on the H200 for a
-    400-kernel graph, against 0.01-0.02 ms uploaded; ``benchmarks/graph_replay.py``). Skipped (the first replay
-    uploads) where the driver library or ``raw_cuda_graph_exec`` is missing, or the driver refuses."""
+def upload(graph: "torch.cuda.CUDAGraph") -> bool:
+    """Upload a captured graph to the device now (``cuGraphUpload``; torch has no binding for it), so its first
+    replay costs what every later one does, not the upload (0.34-0.41 ms of host time on the H200 for a 400-kernel
+    graph, against 0.01-0.02 ms uploaded; ``benchmarks/graph_replay.py``). False (the first replay uploads) where
+    the driver library or ``raw_cuda_graph_exec`` is missing, or the driver refuses."""
     driver = _driver()
     if driver is None or not hasattr(graph, "raw_cuda_graph_exec"):
-        return
+        return False
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     result = driver.cuGraphUpload(ctypes.c_void_p(graph.raw_cuda_graph_exec()), stream)
     if result != 0:
         log.debug("cuGraphUpload returned %s; the graph uploads at its first replay", result)
+    return result == 0
 
 
 def capture(
@@ -249,7 +252,7 @@ def capture(
             )
             counters.buckets_dropped += 1
             continue
-        _upload(graph)
+        counters.graphs_uploaded += upload(graph)
         bucket.graph, bucket.outputs = graph, outputs
         counters.graphs_captured += 1
         captured.append(bucket)
