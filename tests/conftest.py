@@ -1,8 +1,8 @@
-import json
+import multiprocessing
 import os
 import subprocess
 import sys
-from pathlib import Path
+import traceback
 
 import pytest
 import torch
@@ -43,59 +43,41 @@ def cold_inductor_cache(tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
-FORK_SERVER = """
-import json, os, sys, tempfile, traceback
-import torch, torch._dynamo, torch._inductor.compile_fx, vgraph_compile  # imported once, before any job
-for line in sys.stdin:
-    job = json.loads(line)
-    read, write = os.pipe()
-    with tempfile.TemporaryFile() as stderr:
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            os.dup2(write, 1)
-            os.dup2(stderr.fileno(), 2)
-            sys.argv = ["-c", *job["argv"]]
-            try:
-                exec(compile(job["script"], "<job>", "exec"), {"__name__": "__main__"})
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        os.close(write)
-        with os.fdopen(read) as out:
-            stdout = out.read()
-        returncode = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        stderr.seek(0)
-        report = {"returncode": returncode, "stdout": stdout, "stderr": stderr.read().decode(errors="replace")}
-    print(json.dumps(report), flush=True)
-"""
+def _run_script(script: str, argv: list[str], stdout: str, stderr: str) -> None:
+    """A ``new_process`` job, in the forked child: ``script`` as ``__main__`` with ``argv``, its output to files."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["-c", *argv]
+    try:
+        exec(compile(script, "<job>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @pytest.fixture(scope="session")
-def new_process():
-    """Runs ``script`` with ``argv`` in a new process: a fork of one server process that imported torch and
-    vgraph_compile and did nothing else (no trace, no compile), so the tests' second processes pay the imports
-    once. Returns a ``subprocess.CompletedProcess`` (its stdout and stderr)."""
-    root = Path(__file__).resolve().parents[1]
-    environment = {**os.environ, "PYTHONPATH": str(root)}
-    server = subprocess.Popen(
-        [sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root,
-        env=environment,
-    )  # fmt: skip
+def new_process(tmp_path_factory):
+    """Runs ``script`` with ``argv`` in a new process: a fork of the standard library's forkserver, which imported
+    torch and vgraph_compile and did nothing else (no trace, no compile), so the tests' second processes pay the
+    imports once. Returns a ``subprocess.CompletedProcess`` (its stdout and stderr)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch._dynamo", "torch._inductor.compile_fx", "vgraph_compile"])
+    directory = tmp_path_factory.mktemp("new_process")
 
     def run(script: str, *argv: str) -> subprocess.CompletedProcess:
-        server.stdin.write(json.dumps({"script": script, "argv": list(argv)}) + "\n")
-        server.stdin.flush()
-        report = json.loads(server.stdout.readline())
-        return subprocess.CompletedProcess(argv, report["returncode"], report["stdout"], report["stderr"])
+        stdout, stderr = directory / "stdout", directory / "stderr"
+        child = context.Process(target=_run_script, args=(script, list(argv), str(stdout), str(stderr)))
+        child.start()
+        child.join()
+        return subprocess.CompletedProcess(argv, child.exitcode, stdout.read_text(), stderr.read_text())
 
-    yield run
-    server.stdin.close()
-    server.wait(timeout=60)
+    return run
 
 
 @pytest.fixture(autouse=True, scope="module")
