@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from vgraph_compile.kernels import registry
 from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.timing import median_ms
-from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
+from vgraph_compile.kernels.ops import qkv_offsets_varlen_attention, varlen_attention
 from vgraph_compile.kernels.segments import (
     confine_nonfinite,
     confine_nonfinite_reference,
@@ -88,12 +88,12 @@ def _inputs(lengths, rows, slots, head_dim):
 
 def _call(name: str):
     backend = registry.BACKENDS[name]
-    if not backend.packed:
+    if not backend.qkv_offsets:
         return lambda q, k, v, cu, m: varlen_attention(q, k, v, cu, m, backend=name)
 
     def packed(q, k, v, cu, m):
         offsets = cu * (q.shape[1] * q.shape[2])
-        return packed_varlen_attention(q, k, v, torch.cat([offsets, offsets]), m, backend=name)
+        return qkv_offsets_varlen_attention(q, k, v, torch.cat([offsets, offsets]), m, backend=name)
 
     return packed
 
@@ -225,7 +225,7 @@ def available(device: torch.device) -> list[str]:
     return [
         name
         for name, backend in registry.BACKENDS.items()
-        if name != "packed_reference" and backend.available(device, torch.bfloat16)
+        if name != "qkv_offsets_reference" and backend.available(device, torch.bfloat16)
     ]
 
 

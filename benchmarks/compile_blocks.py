@@ -25,8 +25,8 @@ from vgraph_compile.bench.report import write_report
 
 
 def _encoder(kind: str, depth: int):
-    from vgraph_compile.models import examples
-    from vgraph_compile.models.packed_vit import PackedViT, WindowedViT, pack_images
+    from vgraph_compile.sample_models import explain_factories
+    from vgraph_compile.sample_models.packed_vit import PackedViT, WindowedViT, pack_images
 
     torch.manual_seed(0)
     if kind == "packed":
@@ -34,14 +34,14 @@ def _encoder(kind: str, depth: int):
         return model, pack_images([40, 70, 30], 12), {"token_budgets": (64, 256), "max_segments": 4}
     full = tuple(range(3, depth, 4))
     model = WindowedViT(patch_dim=12, dim=64, depth=depth, heads=4, out_dim=32, full_attention_blocks=full).eval()
-    inputs = examples.windowed_inputs(examples.QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 12)
-    options = {"token_budgets": (64, 256), "geometry": examples.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6}
+    inputs = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 12)
+    options = {"token_budgets": (64, 256), "geometry": explain_factories.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6}
     return model, inputs, options
 
 
 def one(kind: str, depth: int, blocks: bool, out_path: str) -> dict:
     import vgraph_compile
-    import vgraph_compile.compile.build as build
+    import vgraph_compile.compile.assemble as build
     from vgraph_compile.counters import counters
 
     seconds = {}

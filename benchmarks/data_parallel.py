@@ -114,7 +114,7 @@ def _slowest(latencies: list[float]) -> list[float]:
 
 def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
     """One rank of one group: warm up, run the requests back to back, time the 4-image requests; rank 0 writes."""
-    from vgraph_compile.models.qwen_towers import qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import qwen_tower
 
     device, dtype = _join(rank, ranks, directory, args)
     cuda = device.type == "cuda"
@@ -170,7 +170,7 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
     """One rank of one group: per tower, compile with buckets of exactly the items' sizes (this group's slice),
     then per item 3 warm calls and ``--sequence-repeats`` timed ones (the slowest rank's, from a common start);
     rank 0 writes."""
-    from vgraph_compile.models.qwen_towers import TOY_SIZES, qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     device, dtype = _join(rank, ranks, directory, args)
     try:
@@ -232,7 +232,7 @@ def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
     import ttft
 
     from vgraph_compile.hf import compile_vlm
-    from vgraph_compile.models.qwen_vlms import image_processor, model_inputs, qwen_vlm
+    from vgraph_compile.sample_models.qwen_vlms import image_processor, model_inputs, qwen_vlm
 
     device, dtype = _join(rank, ranks, directory, args)
     try:

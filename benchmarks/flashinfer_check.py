@@ -13,7 +13,7 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.bench.timing import median_ms
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 
 def main() -> None:

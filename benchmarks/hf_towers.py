@@ -1,6 +1,6 @@
 """The vision tower of any served ``vision_utils`` family (random weights, bf16): vgraph vs the stock tower.
 
-Builds the family's tower at its released size from its own config class (``models.hf_families.build_tower``),
+Builds the family's tower at its released size from its own config class (``models.vision_utils_towers.build_tower``),
 then, one tower per run:
 - bf16 outputs of ``compile_vision_tower`` and of the stock tower, both against the fp32 tower (relative error of
   ``pooler_output``, or ``last_hidden_state`` for a tower without one), on random batches and per fixed case;
@@ -34,7 +34,7 @@ from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.timing import cuda_graph_captures, median_ms
 from vgraph_compile.bench.workload import CASES_PX, to_grid
 from vgraph_compile.hf import compile_vision_tower
-from vgraph_compile.models.hf_families import build_tower
+from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CASES = {**CASES_PX, "1x1792^2": [(1, 1792, 1792)]}

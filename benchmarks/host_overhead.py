@@ -18,7 +18,7 @@ import torch
 import vgraph_compile
 from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.timing import host_ms_per_call
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 
 class _NoOpGraph:

@@ -20,8 +20,8 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.bench.report import write_report
-from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
-from vgraph_compile.models.packed_vit import WindowedViT
+from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs
+from vgraph_compile.sample_models.packed_vit import WindowedViT
 
 
 class _ReturnOutputs:

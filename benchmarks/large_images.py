@@ -43,7 +43,7 @@ from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.bench.workload import to_grid
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.kernels.ops import varlen_attention
-from vgraph_compile.models.hf_families import build_tower
+from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CASES_PX = {"1x1344^2": [(1, 1344, 1344)], "1x1792^2": [(1, 1792, 1792)]}
@@ -63,12 +63,12 @@ KINDS = {
 
 
 class KernelTimingLog(logging.Handler):
-    """Keeps the messages of ``compile.kernel_timing`` (what ``auto`` timed and kept) since the last ``take()``."""
+    """Keeps the messages of ``rewrite.kernel_choice`` (what ``auto`` timed and kept) since the last ``take()``."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.messages: list[str] = []
-        source = logging.getLogger("vgraph_compile.compile.kernel_timing")
+        source = logging.getLogger("vgraph_compile.rewrite.kernel_choice")
         source.setLevel(logging.INFO)
         source.addHandler(self)
 

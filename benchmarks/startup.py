@@ -80,21 +80,21 @@ def one_start(tower_kind: str, resize: dict, options: dict, profile: bool = Fals
     """One process's start of ``tower_kind``: total and phases, memory, host time per call; ``memory``: with the
     allocator's history recorded, and where its peak went."""
     import vgraph_compile.compile.buckets as buckets
-    import vgraph_compile.compile.build as build
-    import vgraph_compile.compile_backend as compile_backend
-    import vgraph_compile.warm_start as warm_start
+    import vgraph_compile.entry.warm_start as warm_start
+    import vgraph_compile.pipeline as pipeline
+    import vgraph_compile.rewrite.kernel_choice as kernel_choice
     from vgraph_compile.bench.memory import GIB, peak_breakdown
     from vgraph_compile.bench.timing import host_ms_per_call, median_ms
     from vgraph_compile.compile.buckets import pool_bytes
     from vgraph_compile.counters import counters
     from vgraph_compile.hf import compile_vision_tower
-    from vgraph_compile.models.qwen_towers import qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import qwen_tower
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     phases: dict[str, float] = {}
-    _timed(compile_backend, "analyze", phases, "analyses")
-    _timed(build, "choose_kernels", phases, "kernel_timing")
-    _timed(build, "compile_once", phases, "compile")
+    _timed(pipeline, "analyze", phases, "analyses")
+    _timed(kernel_choice, "choose_kernels", phases, "kernel_timing")
+    _timed(pipeline, "compile_once", phases, "compile")
     _timed(buckets, "capture", phases, "capture")
     _timed(warm_start, "load", phases, "plan_load")
     model = qwen_tower(tower_kind, device=device, dtype=torch.bfloat16, **resize)
@@ -164,7 +164,7 @@ def host_only(tower_kind: str, resize: dict, profile: bool = False) -> dict:
     from vgraph_compile.bench.timing import elapsed_ms, host_ms_per_call
     from vgraph_compile.counters import counters
     from vgraph_compile.hf import compile_vision_tower
-    from vgraph_compile.models.qwen_towers import qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import qwen_tower
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = qwen_tower(tower_kind, device=device, dtype=torch.bfloat16, **resize)

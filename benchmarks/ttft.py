@@ -2,10 +2,10 @@
 
 Models: Qwen2.5-VL-7B or Qwen3-VL-8B (packed towers), InternVL3-1B (a fixed-tile tower: InternViT-300M on 448 px
 tiles), or the VLM of any served ``vision_utils`` family (``--model paddleocr_vl``, built from its own config class:
-``vgraph_compile.models.family_vlms``), at their released sizes (random weights, bf16, sdpa for the language model;
+``vgraph_compile.sample_models.vision_utils_vlms``), at their released sizes (random weights, bf16, sdpa for the language model;
 no download). Requests: 1-4 real photographs (scikit-image's samples) resized to varied resolutions, some with a
 video clip (Qwen models only), and 20-300 text tokens, made into model inputs by transformers' Qwen2-VL image
-processor (``vgraph_compile.models.qwen_vlms``), InternVL's tile processor (``vgraph_compile.models.tile_vlms``) or
+processor (``vgraph_compile.sample_models.qwen_vlms``), InternVL's tile processor (``vgraph_compile.sample_models.tile_vlms``) or
 the family's own (images, one prompt per request). Per system: ``generate(max_new_tokens=1)`` (TTFT p50/p99), the
 vision tower's share of it, ``generate(max_new_tokens=32)`` (decode tokens/s), warm-up time and peak memory. Each system
 warms up over the requests; then every request is measured under both, their order alternating per request, and the
@@ -37,8 +37,8 @@ from vgraph_compile.bench.result import Result
 from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.hf import compile_vlm
 from vgraph_compile.hf.vlm import find_vision_tower
-from vgraph_compile.models import family_vlms
-from vgraph_compile.models.qwen_vlms import (
+from vgraph_compile.sample_models import vision_utils_vlms
+from vgraph_compile.sample_models.qwen_vlms import (
     Item,
     Request,
     image_processor,
@@ -48,7 +48,7 @@ from vgraph_compile.models.qwen_vlms import (
     resized,
     video_clip,
 )
-from vgraph_compile.models.tile_vlms import internvl, tile_inputs, tile_processor
+from vgraph_compile.sample_models.tile_vlms import internvl, tile_inputs, tile_processor
 
 QWEN = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 TILE_MODELS = {"internvl3-1b": dict(real=dict(max_items=32), tiny=dict(max_items=8, compiler="eager"))}
@@ -307,11 +307,11 @@ def build(args, setting: dict, device: torch.device, dtype: torch.dtype) -> tupl
         processor = image_processor(model.config, max_patches=setting["max_patches"])
         requests = random_requests(args.seed, args.requests, setting["sides"], setting["video"])
         return model, requests, [model_inputs(model, [request], processor, device) for request in requests]
-    model = family_vlms.build_vlm(args.model, tiny=args.tiny, device=str(device), dtype=dtype, seed=args.seed)
-    processor = family_vlms.image_processor(args.model, model)
+    model = vision_utils_vlms.build_vlm(args.model, tiny=args.tiny, device=str(device), dtype=dtype, seed=args.seed)
+    processor = vision_utils_vlms.image_processor(args.model, model)
     requests = random_requests(args.seed, args.requests, setting["sides"], None)
     batches = [
-        family_vlms.image_inputs(
+        vision_utils_vlms.image_inputs(
             model, processor, [resized(item.pixels, item.resize_to) for item in request.items],
             text_tokens=max(1, sum(request.text_tokens) // (len(request.items) + 1)), seed=request.seed,
         )

@@ -15,8 +15,8 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.bench.timing import median_ms
-from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
-from vgraph_compile.models.packed_vit import WindowedViT
+from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs
+from vgraph_compile.sample_models.packed_vit import WindowedViT
 
 CASES = {
     "1x224^2": [(1, 16, 16)],

@@ -20,7 +20,7 @@ import time
 import torch
 
 import vgraph_compile
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 SETTINGS = {
     "cpu": dict(

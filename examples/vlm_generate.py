@@ -1,7 +1,7 @@
 """A whole Qwen VLM answering about real photographs, stock vs ``compile_vlm``: time to first token and the tokens.
 
 Inputs: two of scikit-image's sample photographs and a video clip panning over a third, made into model inputs
-by transformers' image processor (``vgraph_compile.models.qwen_vlms``). CPU (default): a tiny random-weight model,
+by transformers' image processor (``vgraph_compile.sample_models.qwen_vlms``). CPU (default): a tiny random-weight model,
 fp32. CUDA: the released size (Qwen2.5-VL-7B or Qwen3-VL-8B, random weights, bf16). Random weights mean the
 generated tokens are arbitrary ids: what matters is that both paths generate the same ones.
 
@@ -16,7 +16,7 @@ import time
 import torch
 
 from vgraph_compile.hf import compile_vlm
-from vgraph_compile.models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
+from vgraph_compile.sample_models.qwen_vlms import Item, Request, image_processor, model_inputs, photos, qwen_vlm, video_clip
 
 
 def generate(model, inputs: dict, new_tokens: int) -> tuple[torch.Tensor, float]:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 os.environ["VGRAPH_ARTIFACT_DIR"] = ""  # compiles stay counted as compiles; tests of artifacts name their directory
 # One intra-op thread, here and in the child processes the tests start: the tests' tensors are small, so a second

@@ -14,7 +14,7 @@ from torch._guards import detect_fake_mode
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
-from vgraph_compile.decorator import trace_options
+from vgraph_compile.entry.trace_options import trace_options
 from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.spec import PassContext
 
@@ -75,14 +75,14 @@ def run_backend(name: str, q, k, v, cu_seqlens, max_seqlen: int, scale=None) -> 
     """``name``'s attention through its op: token ``cu_seqlens`` as they are, or, for a packed backend, the
     ``[Q/K/O | V]`` element offsets of contiguous q/k/v."""
     from vgraph_compile.kernels import registry
-    from vgraph_compile.kernels.ops import packed_varlen_attention, varlen_attention
+    from vgraph_compile.kernels.ops import qkv_offsets_varlen_attention, varlen_attention
 
-    if not registry.BACKENDS[name].packed:
+    if not registry.BACKENDS[name].qkv_offsets:
         return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, backend=name)
     q, k, v = (t.contiguous() for t in (q, k, v))
     row = q.shape[1] * q.shape[2]
     offsets = torch.cat([cu_seqlens * row, cu_seqlens * row])
-    return packed_varlen_attention(q, k, v, offsets, max_seqlen, scale=scale, backend=name)
+    return qkv_offsets_varlen_attention(q, k, v, offsets, max_seqlen, scale=scale, backend=name)
 
 
 def isolation_case(

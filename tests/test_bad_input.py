@@ -6,7 +6,7 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 torch.manual_seed(0)
 MODEL = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()

@@ -3,7 +3,7 @@ import torch
 
 from vgraph_compile.cli import main
 
-EXAMPLES = "vgraph_compile.models.examples"
+EXAMPLES = "vgraph_compile.sample_models.explain_factories"
 
 
 def test_explain_prints_table_derivation_and_roles(capsys):
@@ -20,7 +20,7 @@ def test_explain_prints_table_derivation_and_roles(capsys):
             "--max-items",
             "8",
             "--module",
-            "vgraph_compile.models.examples:windowed_vit",
+            "vgraph_compile.sample_models.explain_factories:windowed_vit",
         ]
     )
     out = capsys.readouterr().out

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import vgraph_compile
 from tests.helpers import counter_changes
-from vgraph_compile.models import examples
-from vgraph_compile.models.packed_vit import ClsViT, PackedViT, WindowedViT, pack_images
+from vgraph_compile.sample_models import explain_factories
+from vgraph_compile.sample_models.packed_vit import ClsViT, PackedViT, WindowedViT, pack_images
 
 
 class FloatConstantsViT(nn.Module):
@@ -57,10 +57,10 @@ def _with_positions(lengths):
 
 
 def _windowed(grid):
-    return examples.windowed_inputs(examples.QWEN25_GEOMETRY, grid, 12)
+    return explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, grid, 12)
 
 
-WINDOWED_OPTIONS = {"geometry": examples.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
+WINDOWED_OPTIONS = {"geometry": explain_factories.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
 
 ENCODERS = {
     # name: (encoder factory, extra options, inputs of a call, the first call then calls of other sizes); no call

@@ -1,18 +1,20 @@
 """vgraph_compile: vision encoders with packed variable-length attention, run as CUDA graphs for any input.
 
 ``torch.compile(encoder, backend="vgraph", dynamic=True, options={"token_budgets": [...]})``, or
-``vgraph_compile.encoder(...)``. The pipeline: dynamo trace -> ``analyze`` (sites, input roles, relations,
-bounds per token budget) -> ``rewrite`` -> ``compile`` (one inductor compile, symbolic in every size, for all
-budgets; per budget, buffers and on CUDA one captured graph) -> ``serve`` (validate, fill, replay, narrow), with the
-attention ``kernels`` below and ``hf`` on top.
+``vgraph_compile.encoder(...)``. The ways in are ``entry/``; ``pipeline`` owns the stage order: dynamo trace ->
+``analyze`` (sites, input roles, relations, bounds per token budget) -> ``rewrite`` (the kernel choice, then pure
+FX rewrites) -> ``compile`` (one inductor compile, symbolic in every size, for all budgets; per budget, buffers
+and on CUDA one captured graph) -> ``serve`` (validate, fill, replay, narrow), with the attention ``kernels`` below
+and ``hf`` on top. The records every stage reads sit at the root (``spec``, ``config``, ``geometry``, ``symbolic``,
+``fx_utils``, ``counters``).
 """
 
 import logging
 
-from vgraph_compile.compile_backend import VGraphBackend, runtimes, vgraph_backend
+from vgraph_compile.entry.backend import VGraphBackend, runtimes, vgraph_backend
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
-from vgraph_compile.decorator import encoder
+from vgraph_compile.entry.decorator import encoder
 from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.kernels.ops import varlen_attention
 

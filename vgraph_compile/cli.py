@@ -4,8 +4,8 @@ save the compiled artifact and build plan (``compile/artifacts``, ``warm_start``
 container image, starts from with no trace and no compile.
 
     vgraph explain --patch-size 14 --window-size 112 --budgets 1024 4096 16384 --max-items 8
-    vgraph explain ... --module vgraph_compile.models.examples:windowed_vit
-    vgraph precompile vgraph_compile.models.examples:cls_vit --options '{"token_budgets": [64, 128]}' --artifact-dir DIR
+    vgraph explain ... --module vgraph_compile.sample_models.explain_factories:windowed_vit
+    vgraph precompile vgraph_compile.sample_models.explain_factories:cls_vit --options '{"token_budgets": [64, 128]}' --artifact-dir DIR
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def _module_roles(spec: str, geometry: VisionGeometry, args: argparse.Namespace)
     """Trace ``module:factory`` (a callable returning ``(encoder, example_args)``) and print its spec."""
     import torch
 
-    from vgraph_compile.compile_backend import VGraphBackend
+    from vgraph_compile.entry.backend import VGraphBackend
     from vgraph_compile.config import VGraphConfig
-    from vgraph_compile.decorator import trace_options
+    from vgraph_compile.entry.trace_options import trace_options
     from vgraph_compile.analyze.bounds import output_ranges
 
     encoder, example_args = _factory(spec)

@@ -55,15 +55,15 @@ class VGraphConfig:
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
     attention_backend: Literal["auto"] | AttentionBackendName = "auto"
     """Kernel behind every varlen-attention site. auto: measured, on CUDA the fastest installed kernel per attention
-    group and bucket shape, timed at the build (compile/kernel_timing.py); where nothing is timed (CPU) the
-    ops' fixed ``"default"`` rule. flashinfer (cuDNN) and packed_reference (its CPU
+    group and bucket shape, timed at the build (rewrite/kernel_choice.py); where nothing is timed (CPU) the
+    ops' fixed ``"default"`` rule. flashinfer (cuDNN) and qkv_offsets_reference (its CPU
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
     call_choice: Literal["measured", "smallest_bucket"] = "smallest_bucket"
     """How a call that fits a bucket is run. measured: the cheapest of padding it to the smallest bucket, splitting
     it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``) and running it
-    eagerly, by the cost table timed at warm-up (``compile/call_costs``; the warm-up then also runs the eager
+    eagerly, by the cost table timed at warm-up (``serve/call_costs``; the warm-up then also runs the eager
     graph at every bucket's sizes); smallest_bucket: always the smallest bucket."""
     compiler: Literal["inductor", "eager"] = "inductor"
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is

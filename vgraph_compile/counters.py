@@ -33,7 +33,7 @@ class Counters:
     artifacts_loaded: int = 0
     """Compiled encoders loaded from a saved artifact instead of compiled (no inductor compile)."""
     plans_saved: int = 0
-    """Build plans saved for later processes (``vgraph_compile/warm_start``)."""
+    """Build plans saved for later processes (``entry/warm_start``)."""
     plans_loaded: int = 0
     """Encoders served from a saved build plan: no trace, no analyses, no compile."""
     buckets_built: int = 0

@@ -32,13 +32,13 @@ def user_name(name: str) -> str:
 
 
 class Role(str, enum.Enum):
-    """What a graph input is, found from data flow; each role has one padding rule (``compile/padding.py``)."""
+    """What a graph input is, found from data flow; each role has one padding rule (``serve/fills.py``)."""
 
     TOKENS = "tokens"
     """Tensor with token-sized dims: copied, the padded rows zeroed."""
     SEGMENT_OFFSETS = "segment_offsets"
     """cu_seqlens of one attention group: copied, padded by repeating the last offset (empty segments)."""
-    PACKED_OFFSETS = "packed_offsets"
+    QKV_OFFSETS = "qkv_offsets"
     """FlashInfer's ``[Q/K/O offsets | V offsets]`` buffer: each half padded by repeating its own last value."""
     SEGMENT_LENGTHS = "segment_lengths"
     """Per-segment lengths the graph turns into offsets (cumsum): padded with zeros (empty segments)."""

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.models.packed_vit import PackedViT, PlacedClsViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, PlacedClsViT, pack_images
 from vgraph_compile.analyze import bounds, discover
 
 
@@ -69,7 +69,7 @@ def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
 
 
 def _windowed(config_fields):
-    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_vit
+    from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_vit
 
     model, inputs = windowed_vit()
     config = VGraphConfig(token_budgets=(1024, 4096), geometry=QWEN25_GEOMETRY, max_items=4, **config_fields)
@@ -127,7 +127,7 @@ def test_token_caps_are_the_largest_size_of_any_call_in_the_budget(coefficients,
 @pytest.fixture(scope="module")
 def cls_context():
     """The CLS encoder's pass context after discovery and bounds, budgets (32, 128), 6 segments."""
-    from vgraph_compile.models.examples import cls_vit
+    from vgraph_compile.sample_models.explain_factories import cls_vit
 
     model, inputs = cls_vit()
     config = VGraphConfig(token_budgets=(32, 128), max_segments=6, compiler="eager")
@@ -165,7 +165,7 @@ def test_a_size_pinned_after_discovery_is_held_in_every_bucket():
     """Inductor specializes ``cu_seqlens[1:-1]`` of a two-image ClsViT trace (a length-1 slice) by pinning
     ``cu_seqlens.shape[0] == 3`` in the trace's ShapeEnv while it compiles. The buckets derived afterwards hold
     that size (==), 2 segments, and patches <= budget - 2 CLS rows; before the pin, 6 segments and <= budget - 1."""
-    from vgraph_compile.models.packed_vit import ClsViT
+    from vgraph_compile.sample_models.packed_vit import ClsViT
 
     model = ClsViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
     config = VGraphConfig(token_budgets=(32, 128), max_segments=6, compiler="eager")
@@ -187,7 +187,7 @@ budget 128: segments=[2] max_seqlen=[128] (cu_seqlens.shape[0]==3 max_seqlen<=12
 def test_window_group_is_named_not_guessed_from_the_traced_image():
     """Traced on one image of exactly one window (as many windows as frames), the group of cu_window_seqlens still
     gets the window bound: the config names it; the shape of the traced call does not matter."""
-    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs, windowed_vit
+    from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs, windowed_vit
 
     model, _ = windowed_vit()
     inputs = windowed_inputs(QWEN25_GEOMETRY, [(1, 8, 8)], 24)
@@ -213,7 +213,7 @@ class TiedPlacedClsViT(PlacedClsViT):
 def test_placement_indices_get_the_sizes_of_what_they_place():
     """Placement indices take no bound from the dim they write (it is longer than they are): untied, the CLS rows
     get the budget like the patches; tied to the segments, as many as the segments."""
-    from vgraph_compile.models.examples import placed_cls_vit
+    from vgraph_compile.sample_models.explain_factories import placed_cls_vit
 
     model, inputs = placed_cls_vit()
     tied = TiedPlacedClsViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16)

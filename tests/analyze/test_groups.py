@@ -5,7 +5,7 @@ from expecttest import assert_expected_inline
 import vgraph_compile
 
 from tests.helpers import trace
-from vgraph_compile.models.packed_vit import pack_images
+from vgraph_compile.sample_models.packed_vit import pack_images
 from vgraph_compile.kernels.ops import varlen_attention
 from vgraph_compile.analyze import discover
 
@@ -89,7 +89,7 @@ def test_a_float_max_seqlen_is_refused_through_torch_compile():
 
 def test_offsets_end_at_the_rows_unless_the_graph_shifts_them(tiny):
     """Offsets read as is end at their sites' rows; a CLS encoder's cu_seqlens + arange ends at an unstated count."""
-    from vgraph_compile.models.examples import cls_vit
+    from vgraph_compile.sample_models.explain_factories import cls_vit
 
     _, gm, ctx = tiny
     discover.run(gm, ctx)

@@ -8,7 +8,7 @@ from vgraph_compile.analyze import discover
 
 def test_a_window_permutation_ties_tokens_to_the_index_length():
     """A reshape of [n, 4, d] back into [tokens, d] says tokens = 4 n: the graph gives the relation."""
-    from vgraph_compile.models.examples import windowed_vit
+    from vgraph_compile.sample_models.explain_factories import windowed_vit
 
     model, inputs = windowed_vit()
     gm, ctx = trace(model, *inputs, plain=True)

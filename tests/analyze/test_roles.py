@@ -8,8 +8,8 @@ import vgraph_compile
 
 from tests.helpers import trace
 from vgraph_compile.counters import counters
-from vgraph_compile.models.examples import placed_cls_vit
-from vgraph_compile.models.packed_vit import PlacedClsViT, pack_images
+from vgraph_compile.sample_models.explain_factories import placed_cls_vit
+from vgraph_compile.sample_models.packed_vit import PlacedClsViT, pack_images
 from vgraph_compile.kernels.ops import varlen_attention
 from vgraph_compile.analyze import discover
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vgraph_compile.bench.flops import tower_flops
-from vgraph_compile.models.hf_families import build_tower
+from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 pytest.importorskip("transformers", minversion="5.23")
 

@@ -1,17 +1,19 @@
 """Saved compiled encoders: a corrupt or foreign artifact is never used, and the build plan that needs it is
-rebuilt with it (a second process serving from both: ``tests/test_warm_start.py``). Each test saves into its own
+rebuilt with it (a second process serving from both: ``tests/entry/test_warm_start.py``). Each test saves into its own
 ``tmp_path``."""
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import vgraph_compile
+from vgraph_compile.compile import artifacts
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 CALLS = ([5, 7], [30, 20], [3])
 """One call per bucket and one more: 16- and 64-token buckets."""
@@ -78,3 +80,31 @@ def test_an_artifact_of_another_model_or_config_is_never_used(tmp_path, caplog):
     assert "was saved for another build" in caplog.text
     with counters.expect(**WARM):
         _serve(tmp_path, seed=7)
+
+
+def _package_copy(tmp_path: Path) -> Path:
+    package = Path(artifacts.__file__).resolve().parent.parent
+    copy = tmp_path / "vgraph_compile"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "path, edit, kept",
+    [
+        ("bench/report.py", lambda text: text + "\nEXTRA = 1\n", True),
+        ("sample_models/packed_vit.py", lambda text: text.replace('"""', '"""A reworded docstring. ', 1), True),
+        ("compile/inductor.py", lambda text: text.replace('"""', '"""A reworded docstring. ', 1), True),
+        ("rewrite/fold_scalars.py", lambda text: text + "\nEXTRA = 1\n", False),
+        ("kernels/segments.py", lambda text: text + "\nEXTRA = 1\n", False),
+    ],
+)
+def test_the_saved_key_follows_the_code_that_shapes_it(tmp_path, path, edit, kept):
+    """A benchmark module or a docstring changed keeps every saved plan and artifact (same sources hash); a rewrite
+    or a kernel changed drops them."""
+    package = _package_copy(tmp_path)
+    before = artifacts.sources_hash(package)
+    edited = package / path
+    edited.write_text(edit(edited.read_text()))
+    artifacts.sources_hash.cache_clear()
+    assert (artifacts.sources_hash(package) == before) is kept

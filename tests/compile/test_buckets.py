@@ -5,7 +5,8 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.compile.buckets import STAGE_ALIGNMENT
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.serve import fills
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.spec import Role
 
 
@@ -65,7 +66,7 @@ def test_empty_fill_is_a_valid_call_with_no_tokens():
     bucket = runtime.buckets[0]
     for buffer in bucket.buffers.values():
         buffer.fill_(float("nan") if buffer.is_floating_point() else 9)
-    bucket.fill_empty(runtime.encoder.roles)
+    fills.empty_bucket(bucket, runtime.encoder.roles)
     roles = runtime.encoder.roles
     for index, buffer in bucket.buffers.items():
         assert buffer.eq(0).all(), roles[index]

@@ -8,7 +8,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import vgraph_compile
 from vgraph_compile.counters import counters
 from vgraph_compile.compile.inductor import _added_constraints, _holds
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.spec import BucketShape
 
 

@@ -15,12 +15,12 @@ import vgraph_compile
 from tests.helpers import counter_changes, trace
 from vgraph_compile.analyze import analyze
 from vgraph_compile.compile import repeated_blocks
-from vgraph_compile.compile.kernel_timing import choose_kernels
+from vgraph_compile.rewrite.kernel_choice import choose_kernels
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import callable_name, example_value
-from vgraph_compile.models import examples
-from vgraph_compile.models.packed_vit import Block, PackedViT, WindowedViT, pack_images
+from vgraph_compile.sample_models import explain_factories
+from vgraph_compile.sample_models.packed_vit import Block, PackedViT, WindowedViT, pack_images
 from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, rewrite
 from vgraph_compile.spec import user_name
 
@@ -175,7 +175,7 @@ def test_blocks_that_differ_are_not_merged():
     ]
 
 
-WINDOWED = {"geometry": examples.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
+WINDOWED = {"geometry": explain_factories.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
 
 
 def _windowed_model(seed: int = 0) -> WindowedViT:
@@ -186,7 +186,7 @@ def _windowed_model(seed: int = 0) -> WindowedViT:
 def test_window_and_full_attention_blocks_are_two_classes():
     """Window blocks (0, 2) read the window offsets, full-attention blocks (1, 3) the frame offsets, of other
     lengths: two subgraphs, each shared by its two blocks."""
-    inputs = examples.windowed_inputs(examples.QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 12)
+    inputs = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 12)
     gm, ctx = _rewritten(_windowed_model(), inputs, token_budgets=(64, 256), **WINDOWED)
     shared = repeated_blocks.run(gm)
     assert _shared(shared) == ["blocks_0", "blocks_1", "blocks_0", "blocks_1"]
@@ -205,7 +205,7 @@ def windowed(tmp_path_factory):
     compiled = vgraph_compile.encoder(
         model, token_budgets=(64, 256), attention_backend="sdpa", artifact_dir=str(directory), **WINDOWED
     )
-    inputs = examples.windowed_inputs(examples.QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 12)
+    inputs = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, [(1, 8, 12), (1, 4, 4)], 12)
     expected = dict(traces=1, sites_found=4, nodes_rewritten=8, compiles=1, blocks_compiled_once=4)
     with torch.no_grad(), counters.expect(**expected, artifacts_saved=1, plans_saved=2, buckets_built=2, replays=1):
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
@@ -224,7 +224,7 @@ def test_compiled_blocks_equal_eager(windowed, grid):
     """The shared-subgraph compile, called per block at each bucket's sizes: every real row equals eager within
     fp32 round-off and is finite, each call a replay."""
     model, compiled, _ = windowed
-    inputs = examples.windowed_inputs(examples.QWEN25_GEOMETRY, grid, 12)
+    inputs = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, grid, 12)
     with torch.no_grad(), counter_changes() as changes:
         out = compiled(*inputs)
     assert out.isfinite().all()
@@ -237,14 +237,14 @@ import json, sys, torch
 from tests.compile.test_repeated_blocks import WINDOWED, _windowed_model
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.models import examples
+from vgraph_compile.sample_models import explain_factories
 model = _windowed_model(seed=1)
 compiled = vgraph_compile.encoder(model, token_budgets=(64, 256), attention_backend="sdpa", artifact_dir=sys.argv[1],
                                   **WINDOWED)
 errors = []
 with torch.no_grad():
     for grid in json.loads(sys.argv[2]):
-        inputs = examples.windowed_inputs(examples.QWEN25_GEOMETRY, grid, 12)
+        inputs = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, grid, 12)
         out, ref = compiled(*inputs), model(*inputs)
         errors.append(bool(out.isfinite().all()) and ((out - ref).abs().max() / ref.abs().max()).item())
 frames = torch._dynamo.utils.counters["frames"]["total"]

@@ -12,7 +12,7 @@ from vgraph_compile.kernels.segments import cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = [name for name, backend in registry.BACKENDS.items() if not backend.packed and name != "sdpa"]
+KERNELS = [name for name, backend in registry.BACKENDS.items() if not backend.qkv_offsets and name != "sdpa"]
 ROWS, SLOTS, HEADS = 1536, 6, 4
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 
 from tests.kernels.test_segments import check_finished, check_isolation, confinement_cases, poisoned_calls
 from tests.helpers import run_backend, segment_reference
-from vgraph_compile.compile import kernel_timing
+from vgraph_compile.rewrite import kernel_choice
 from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import (
     confine_nonfinite,
@@ -163,8 +163,8 @@ def test_confined_kernel_keeps_other_segments_bit_identical(head_dim, lengths, v
 @pytest.mark.parametrize("head_dim", [72, 80])
 def test_auto_times_every_candidate_as_a_graph_replay(head_dim):
     """Each kernel ``auto`` would time is captured and replayed on a full-attention group's shape."""
-    shape = kernel_timing.GroupShape(rows=2304, segment=2304, heads=4, head_dim=head_dim, dtype=torch.bfloat16)
-    names = kernel_timing._candidates(CUDA, torch.bfloat16)
+    shape = kernel_choice.GroupShape(rows=2304, segment=2304, heads=4, head_dim=head_dim, dtype=torch.bfloat16)
+    names = kernel_choice._candidates(CUDA, torch.bfloat16)
     assert "torch_varlen" in names
     for name in names:
-        assert 0 < kernel_timing._time_ms(name, shape, CUDA) < 100, name
+        assert 0 < kernel_choice._time_ms(name, shape, CUDA) < 100, name

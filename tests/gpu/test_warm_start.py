@@ -13,7 +13,7 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ SERVE = """
 import json, sys, torch
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 torch.manual_seed(1)
 model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).cuda().eval()
 compiled = vgraph_compile.encoder(model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa",
@@ -69,7 +69,7 @@ def test_keyed_tower_calls_replay_with_staged_metadata_and_aligned_weights_held_
     """A toy Qwen2.5-VL tower (MLP width 58, aligned to 64) on CUDA graphs: calls of two grids, alternating, each
     replayed and equal to the stock tower; the down projections are strided views of the graphs' padded weights."""
     from vgraph_compile.hf import compile_vision_tower, routed_attention
-    from vgraph_compile.models.qwen_towers import TOY_SIZES, qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     torch._dynamo.reset()
     sizes = {**TOY_SIZES["qwen2.5-vl"], "intermediate_size": 58}

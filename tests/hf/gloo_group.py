@@ -31,14 +31,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vgraph_compile.models.qwen_towers import REAL_SIZES
+from vgraph_compile.sample_models.qwen_towers import REAL_SIZES
 
 CHECK_MODULES = ("tests.hf.test_data_parallel", "tests.hf.test_sequence_parallel")
 PRELOAD = (
     __name__,
     *CHECK_MODULES,
     "vgraph_compile.hf",
-    "vgraph_compile.models.qwen_vlms",
+    "vgraph_compile.sample_models.qwen_vlms",
     *(module for module, *_ in REAL_SIZES.values()),
     "functorch.compile",
 )
@@ -54,7 +54,7 @@ over 256 patches runs its trace eagerly (sequence parallel, on every rank alike)
 def compiled(name: str, group):
     """The toy tower ``name`` (``TOY_SIZES``) compiled over ``group``, once per process."""
     from vgraph_compile.hf import compile_vision_tower
-    from vgraph_compile.models.qwen_towers import TOY_SIZES, qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     tower = qwen_tower(name, "cpu", torch.float32, **TOY_SIZES[name])
     return compile_vision_tower(tower, process_group=group, **OPTIONS)
@@ -90,7 +90,7 @@ def tiny_vlm(group):
     prompts with three photos and a video clip, and the stock model's logits and greedy tokens on them:
     ``(model, inputs, logits, tokens)``."""
     from vgraph_compile.hf import compile_vlm
-    from vgraph_compile.models.qwen_vlms import (
+    from vgraph_compile.sample_models.qwen_vlms import (
         Item,
         Request,
         image_processor,

@@ -12,7 +12,7 @@ import torch
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.tiles import is_tile_tower
-from vgraph_compile.models.hf_families import build_tower, vision_utils_families
+from vgraph_compile.sample_models.vision_utils_towers import build_tower, vision_utils_families
 
 REFUSED = {
     "cosmos3_edge": r"reads a grid-derived tensor on the host \(tolist\)",

@@ -8,7 +8,7 @@ import torch
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.hf.grid_metadata import GridMetadata
 from vgraph_compile.hf.packed_tower import grid_table, learn_packed_tower
-from vgraph_compile.models.hf_families import build_tower
+from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 
 def test_grid_table_pads_with_one_merge_unit_images():

@@ -72,7 +72,7 @@ def test_towers_a_slice_cannot_serve_are_refused(family, reason):
     """A batched pixel layout, or a grid read inside the graph (indexed by segment, which a slice does not
     renumber): parallel='sequence' is a ValueError naming why, before anything is traced."""
     from vgraph_compile.hf import compile_vision_tower
-    from vgraph_compile.models.hf_families import build_tower
+    from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
     with pytest.raises(ValueError, match=f"parallel='sequence': .*{reason}; use parallel='data'"):
         compile_vision_tower(

@@ -13,7 +13,7 @@ from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.vision_tower import asks_nothing
 from vgraph_compile.hf.packed_tower import learn_packed_tower
-from vgraph_compile.models.hf_families import build_tower
+from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 # (t, h, w) in patches: images and short videos, thin strips, and the smallest 2x2 merged grid (4 x 4 patches)
 rows = st.tuples(st.sampled_from([1, 1, 2, 3]), st.sampled_from([4, 4, 8, 12, 16]), st.sampled_from([4, 8, 12, 20, 4]))

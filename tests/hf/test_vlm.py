@@ -12,8 +12,8 @@ import torch
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledVisionTower, compile_vlm
 from vgraph_compile.hf.vlm import find_vision_tower
-from vgraph_compile.models import family_vlms
-from vgraph_compile.models.qwen_vlms import (
+from vgraph_compile.sample_models import vision_utils_vlms
+from vgraph_compile.sample_models.qwen_vlms import (
     Item,
     Request,
     resized,
@@ -51,11 +51,11 @@ def _qwen_cases(family):
 
 def _family_cases(family):
     """Two photographs resized small (the processor rounds their sides to merge units), in one prompt."""
-    model = family_vlms.build_vlm(family)
-    processor = family_vlms.image_processor(family, model)
+    model = vision_utils_vlms.build_vlm(family)
+    processor = vision_utils_vlms.image_processor(family, model)
     photo = photos()
     images = [resized(photo["coffee"], (120, 180)), resized(photo["chelsea"], (150, 100))]
-    return model, {"two images": family_vlms.image_inputs(model, processor, images)}
+    return model, {"two images": vision_utils_vlms.image_inputs(model, processor, images)}
 
 
 @pytest.fixture(scope="module", params=QWEN + OTHER_FAMILIES)

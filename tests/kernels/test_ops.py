@@ -1,3 +1,4 @@
+import dataclasses
 import pytest
 import torch
 from hypothesis import given
@@ -7,7 +8,7 @@ from torch.library import opcheck
 from tests.helpers import segment_reference
 from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import cu_seqlens
-from vgraph_compile.kernels.ops import VARLEN_ATTENTION, packed_varlen_attention, varlen_attention
+from vgraph_compile.kernels.ops import VARLEN_ATTENTION, qkv_offsets_varlen_attention, varlen_attention
 
 segment_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6)
 
@@ -73,7 +74,7 @@ def test_packed_reference_reads_element_offsets_like_the_kernel(lengths, padding
     q, k, v = torch.randn(rows, 3, 2, 8).unbind(1)
     cu = _packed(lengths)[3]
     packed = torch.cat([cu * 16, cu * v.stride(0)])
-    out = packed_varlen_attention(q.contiguous(), k.contiguous(), v, packed, max(lengths))
+    out = qkv_offsets_varlen_attention(q.contiguous(), k.contiguous(), v, packed, max(lengths))
     torch.testing.assert_close(out.double(), segment_reference(q, k, v, cu), rtol=1e-5, atol=1e-5)
 
 
@@ -81,9 +82,9 @@ def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
     q, k, v = torch.randn(4, 3, 2, 8).unbind(1)
     packed = torch.tensor([0, 64, 0, 192], dtype=torch.int32)
     with pytest.raises(ValueError, match="q and k need contiguous rows"):
-        packed_varlen_attention(q, k, v, packed, 4)
+        qkv_offsets_varlen_attention(q, k, v, packed, 4)
     with pytest.raises(ValueError, match="reads packed"):
-        varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="packed_reference")
+        varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="qkv_offsets_reference")
 
 
 @pytest.mark.parametrize(
@@ -123,22 +124,23 @@ def test_cudnn_backend_is_registered_and_validates_head_dim():
 def test_head_dim_padding_is_exact(monkeypatch, dtype, tolerance, scale):
     """A kernel declaring head_dims (16, 32) runs head_dim 12 zero-padded to 16 and 24 to 32: the sliced output
     equals the unpadded kernel's, with the original head_dim's softmax scale."""
-    padding_sdpa = registry.AttentionBackend("sdpa_at_16_32", "sdpa", lambda d, t: True, head_dims=(16, 32))
-    monkeypatch.setitem(registry.BACKENDS, padding_sdpa.name, padding_sdpa)
+    sdpa = registry.BACKENDS["sdpa"]
     for head_dim in (12, 16, 24):
         q, k, v = torch.randn(30, 3, 2, head_dim, dtype=dtype).unbind(1)
         cu = torch.tensor([0, 7, 7, 26], dtype=torch.int32)
-        padded = varlen_attention(q, k, v, cu, 19, scale=scale, backend="sdpa_at_16_32")
-        assert padded.shape == q.shape and padded.is_contiguous()
         unpadded = varlen_attention(q, k, v, cu, 19, scale=scale, backend="sdpa")
+        monkeypatch.setitem(registry.BACKENDS, "sdpa", dataclasses.replace(sdpa, head_dims=(16, 32)))
+        padded = varlen_attention(q, k, v, cu, 19, scale=scale, backend="sdpa")
+        monkeypatch.setitem(registry.BACKENDS, "sdpa", sdpa)
+        assert padded.shape == q.shape and padded.is_contiguous()
         torch.testing.assert_close(padded, unpadded, rtol=tolerance, atol=tolerance)
         assert padded[26:].eq(0).all()
 
 
 def test_head_dims_refuse_wider_heads_and_packed_kernels():
-    backend = registry.AttentionBackend("narrow", "sdpa", lambda d, t: True, head_dims=(64, 80, 128))
+    backend = registry.AttentionBackend("narrow", lambda d, t: True, head_dims=(64, 80, 128))
     assert [backend.padded_head_dim(d) for d in (40, 72, 80, 96)] == [64, 80, 80, 128]
     with pytest.raises(ValueError, match="'narrow' runs head_dim up to 128, got 256: choose another"):
         backend.padded_head_dim(256)
     with pytest.raises(ValueError, match="packed kernel cannot declare head_dims"):
-        registry.AttentionBackend("p", "packed_reference", lambda d, t: True, packed=True, head_dims=(64,))
+        registry.AttentionBackend("p", lambda d, t: True, qkv_offsets=True, head_dims=(64,))

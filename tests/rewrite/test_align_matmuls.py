@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.helpers import trace
 import vgraph_compile
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.models.packed_vit import pack_images
+from vgraph_compile.sample_models.packed_vit import pack_images
 from vgraph_compile.kernels.ops import varlen_attention
 from vgraph_compile.rewrite import align_matmuls
 from vgraph_compile.analyze import analyze

@@ -9,7 +9,7 @@ from expecttest import assert_expected_inline
 import vgraph_compile
 from tests.helpers import trace
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.rewrite import fold_scalars
 from vgraph_compile.analyze import analyze
 from vgraph_compile.fx_utils import apply_pass

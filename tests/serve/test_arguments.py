@@ -9,7 +9,7 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.serve.arguments import OutputLayout
 
 

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 import vgraph_compile
 from tests.helpers import counter_changes
-from vgraph_compile.compile.call_costs import CallCosts
+from vgraph_compile.serve.call_costs import CallCosts
 from vgraph_compile.counters import counters
 from vgraph_compile.kernels.segments import cu_seqlens
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.serve.runtime import EAGER, PADDED, SPLIT
 
 BUDGETS = (16, 64, 128)
@@ -195,8 +195,8 @@ grids = st.lists(
 
 @pytest.fixture(scope="module")
 def windowed():
-    from vgraph_compile.models.examples import QWEN25_GEOMETRY
-    from vgraph_compile.models.packed_vit import WindowedViT
+    from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY
+    from vgraph_compile.sample_models.packed_vit import WindowedViT
 
     torch.manual_seed(0)
     model = WindowedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
@@ -217,7 +217,7 @@ def test_window_attention_encoder_matches_eager(windowed, grid):
     """Frames, windows and the window permutation padded by their roles: real rows equal eager, any grid; a grid
     within the largest budget and max_frames is served by a bucket graph (the bounds hold every window), a larger
     one runs eagerly."""
-    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
+    from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs
 
     model, compiled = windowed
     inputs = windowed_inputs(QWEN25_GEOMETRY, grid, 12)
@@ -231,7 +231,7 @@ def test_keyed_calls_take_their_metadata_from_the_bytes_staged_at_the_keys_first
     """Calls keyed by their grid: each key's first call fills by the rules and stages its bucket's metadata region
     (cu_seqlens, window offsets, window index); a later call with the key, after another grid's call and with the
     region poisoned, takes the staged bytes in one copy: real rows equal eager, every call a replay."""
-    from vgraph_compile.models.examples import QWEN25_GEOMETRY, windowed_inputs
+    from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs
 
     model, compiled = windowed
     grids = {"two images": ((1, 8, 12), (1, 4, 4)), "one image": ((1, 8, 8),)}
@@ -252,15 +252,15 @@ def test_keyed_calls_take_their_metadata_from_the_bytes_staged_at_the_keys_first
 
 
 class PackedInput(torch.nn.Module):
-    """A model that builds FlashInfer's packed offsets itself and passes them in (as vLLM's Qwen2.5-VL does)."""
+    """A model that builds FlashInfer's Q/K/O|V offsets itself and passes them in (as vLLM's Qwen2.5-VL does)."""
 
     def __init__(self):
         super().__init__()
         self.qkv = torch.nn.Linear(8, 24)
 
-    def forward(self, x, packed_offsets, max_seqlen):
+    def forward(self, x, qkv_offsets, max_seqlen):
         q, k, v = self.qkv(x).view(x.shape[0], 3, 2, 4).unbind(1)
-        return vgraph_compile.kernels.ops.packed_varlen_attention(q.contiguous(), k.contiguous(), v, packed_offsets, max_seqlen)
+        return vgraph_compile.kernels.ops.qkv_offsets_varlen_attention(q.contiguous(), k.contiguous(), v, qkv_offsets, max_seqlen)
 
 
 def _packed_inputs(lengths):
@@ -280,7 +280,7 @@ def packed_model():
 
 def test_packed_offsets_input_role(packed_model):
     """The input's role is found from the op it reaches (its segments are half its length, less one)."""
-    assert "input packed_offsets: packed_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
+    assert "input qkv_offsets: qkv_offsets" in packed_model[1].vgraph.runtimes[0].spec.format()
 
 
 # At least 2 rows: with one row, eager's q.contiguous() keeps the fused view's row stride (24), so the model's own
@@ -314,7 +314,7 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     every later one go to the next larger bucket."""
     from vgraph_compile.compile import buckets as bucket_graphs
 
-    def capture_dropping_the_smallest(buckets, compiled, roles, pool):
+    def capture_dropping_the_smallest(buckets, compiled, pool, prepare):
         return sorted(buckets, key=lambda bucket: bucket.shape.budget)[1:]
 
     monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
@@ -322,7 +322,7 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
     compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
     with monkeypatch.context() as patch:
-        patch.setattr("vgraph_compile.compile.build._cudagraphs", lambda ctx: True)
+        patch.setattr("vgraph_compile.pipeline.cudagraphs_wanted", lambda ctx: True)
         inputs = pack_images([3, 4], 12)  # fits the 16 bucket, which the capture drops
         with torch.no_grad():
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from tests.helpers import trace
 from vgraph_compile.analyze import discover
-from vgraph_compile.models.examples import windowed_vit
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.explain_factories import windowed_vit
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.serve.split import Splitter, can_split
 
 

@@ -3,7 +3,7 @@
 Order, and why:
 1. ``discover`` (sites, input roles, relations): roles and attention groups come from the traced graph's data
    flow, before any rewrite. It chains ``inputs`` (what the inputs are), ``groups`` (varlen sites and their
-   offsets), ``relations`` (sizes the graph ties), ``roles`` (indices and the rest) and ``checks`` (refusals).
+   offsets), ``relations`` (sizes the graph ties), ``roles`` (indices and the rest) and ``refusals``.
 2. ``bounds``: per-bucket sizes need the roles; the trace's guards are checked here, before compiling.
 
 Fixed-tile towers (``pixel_values[N, C, H, W]``, no varlen attention) run ``TILE_ANALYSES`` instead:

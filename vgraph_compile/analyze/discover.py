@@ -3,16 +3,16 @@
 Invariant: never mutates the graph; stores a ``VarlenSpec`` in ``ctx.spec``.
 
 Steps (``run`` chains them; each lives in its own module and returns a typed result):
-1. ``checks.check_no_host_sync``: no data-dependent value inside the graph.
+1. ``refusals.check_no_host_sync``: no data-dependent value inside the graph.
 2. ``inputs``: the graph's inputs, which are module state, and the trailing feature sizes.
 3. ``groups.find_sites``: every varlen site, its offsets and max_seqlen followed back to graph inputs.
 4. ``relations``: sizes the graph ties together, solved for one symbol each; the sizes of steps 5-6 go through
    them (Qwen2.5-VL's window permutation gives tokens = 4 n).
 5. ``groups.attention_groups``: sites sharing one offsets input form a group; its offsets and max_seqlen roles.
 6. ``roles.index_roles``, then ``roles.other_roles``: indices that write or read rows; every other input.
-7. ``inputs.input_sizes``: where each size symbol is read per call; ``checks.check_token_dtypes``.
-8. ``_outputs``: each output's shape or value expression.
-9. ``checks.check_token_rows``: the first site's packed row count must be a constant plus positive multiples of
+7. ``inputs.input_sizes``: where each size symbol is read per call; ``refusals.check_token_dtypes``.
+8. ``inputs.output_shapes``: each output's shape or value expression.
+9. ``refusals.check_token_rows``: the first site's packed row count must be a constant plus positive multiples of
    sizes (``patches + images`` with a CLS row per image), which the budgets bound.
 
 Before/After: the graph is unchanged; ``ctx.spec.format()`` of the tiny ``PackedViT`` reads::
@@ -32,7 +32,7 @@ import sympy
 import torch
 import torch.fx
 
-from vgraph_compile.analyze import checks, groups, inputs, relations, roles
+from vgraph_compile.analyze import groups, inputs, refusals, relations, roles
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.spec import PassContext, VarlenSite, VarlenSpec
 from vgraph_compile.symbolic import substitute, traced_values
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    checks.check_no_host_sync(gm)
+    refusals.check_no_host_sync(gm)
     shape_env = ctx.shape_env
     simplify = inputs.simplifier(shape_env)
     graph_inputs = inputs.graph_inputs(gm, ctx)
@@ -61,7 +61,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     input_roles.update(roles.index_roles(gm, graph_inputs, input_roles, related))
     input_roles.update(roles.other_roles(graph_inputs, input_roles, simplify))
     sizes = inputs.input_sizes(graph_inputs, simplify)
-    checks.check_token_dtypes(gm, graph_inputs, input_roles)
+    refusals.check_token_dtypes(gm, graph_inputs, input_roles)
     group_of = {site: group.index for group in attention_groups for site in group.sites}
     spec = VarlenSpec(
         inputs=tuple(input_roles[index] for index in range(len(graph_inputs.nodes))),
@@ -76,7 +76,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         features=features,
         relations=solved,
     )
-    checks.check_token_rows(spec, traced_values(shape_env))
+    refusals.check_token_rows(spec, traced_values(shape_env))
     ctx.spec = spec
     log.info("discovered %d varlen sites in %d attention groups", len(found), len(attention_groups))
     log.debug("varlen spec:\n%s", spec.format())

@@ -119,8 +119,8 @@ def attention_groups(
     groups, roles = [], {}
     for group_index, (offsets_index, members) in enumerate(by_input.items()):
         length = simplify(example_value(inputs.nodes[offsets_index]).shape[0])
-        if any(member.site.op.packed for member in members):
-            role, segments = Role.PACKED_OFFSETS, length / 2 - 1
+        if any(member.site.op.qkv_offsets for member in members):
+            role, segments = Role.QKV_OFFSETS, length / 2 - 1
         elif any(member.lengths for member in members):
             role, segments = Role.SEGMENT_LENGTHS, length
         else:

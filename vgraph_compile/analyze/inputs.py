@@ -2,7 +2,7 @@
 the shapes of its outputs.
 
 Invariant: reads the graph only; every function here answers about inputs or outputs, none gives a role (``roles``,
-``groups``) or refuses a graph (``checks``).
+``groups``) or refuses a graph (``refusals``).
 """
 
 from __future__ import annotations

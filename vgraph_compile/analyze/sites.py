@@ -27,17 +27,17 @@ class VarlenOp:
     max_seqlen: tuple[str, ...]
     backend: str | None = None
     """Argument naming the kernel, rewritten per config (vgraph's own ops only)."""
-    packed: bool = False
+    qkv_offsets: bool = False
     """Its offsets are FlashInfer's packed ``[Q/K/O | V]`` element offsets (two halves of segments + 1)."""
-    lowers_to_packed: bool = False
-    """``lower_packed`` may rewrite it into ``vgraph::packed_varlen_attention`` for a packed kernel."""
+    lowers_to_qkv_offsets: bool = False
+    """``lower_qkv_offsets`` may rewrite it into ``vgraph::qkv_offsets_varlen_attention`` for a packed kernel."""
 
 
 VARLEN_OPS: dict[str, VarlenOp] = {
     op.name: op
     for op in (
-        VarlenOp("vgraph::varlen_attention", "q", ("cu_seqlens",), ("max_seqlen",), "backend", lowers_to_packed=True),
-        VarlenOp("vgraph::packed_varlen_attention", "q", ("packed_offsets",), ("max_seqlen",), "backend", packed=True),
+        VarlenOp("vgraph::varlen_attention", "q", ("cu_seqlens",), ("max_seqlen",), "backend", lowers_to_qkv_offsets=True),
+        VarlenOp("vgraph::qkv_offsets_varlen_attention", "q", ("qkv_offsets",), ("max_seqlen",), "backend", qkv_offsets=True),
         VarlenOp("torch_attn::_varlen_attn", "query", ("cu_seq_q", "cu_seq_k"), ("max_q", "max_k")),
         VarlenOp(
             "flash_attn::_flash_attn_varlen_forward",

@@ -37,7 +37,7 @@ import sympy
 import torch
 import torch.fx
 
-from vgraph_compile.analyze.checks import check_no_host_sync
+from vgraph_compile.analyze.refusals import check_no_host_sync
 from vgraph_compile.analyze.inputs import feature_sizes, graph_inputs, input_sizes, output_shapes, simplifier
 from vgraph_compile.analyze.roles import other_roles
 from vgraph_compile.config import VGraphConfig

@@ -23,7 +23,7 @@ __all__ = ["run"]
 
 def run(args) -> dict[str, Any]:
     """Every system of ``args.systems`` on the same workload, one after the other: the report."""
-    from vgraph_compile.models.qwen_towers import qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import qwen_tower
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -3,13 +3,14 @@
 An artifact is ``torch._inductor.standalone_compile``'s ``CompiledArtifact`` (the compiled code and what loading it
 needs), saved as ``<key>.bin`` in the artifact directory, with ``<key>.bin.json`` beside it: the key, the SHA-256
 of the ``.bin`` and the budgets the compiled code serves (``compile/inductor``'s guard checks, made at the
-compile). A build plan (``vgraph_compile/warm_start``: what serving needs besides the compiled code) is pickled as
+compile). A build plan (``entry/warm_start``: what serving needs besides the compiled code) is pickled as
 ``<key>.plan`` with its ``<key>.plan.json`` record, under the plan's own key.
 
 Invariant: an artifact is used only for a compile that would produce it. The key hashes everything that changes
 the compiled code: the rewritten graph's code, each input's dtype, shape (in the trace's symbols), strides and
 device, the symbols' ranges, every tensor constant's bytes, the config (all but ``artifact_dir``), the attention
-kernels chosen, the inductor config, the torch version, the vgraph sources and the device (its name and compute
+kernels chosen, the inductor config, the torch version, the code of the vgraph modules that shape it
+(``SHAPING_SOURCES``) and the device (its name and compute
 capability on CUDA). Never the weights: parameters are graph inputs, read at every call. A file whose bytes do not
 match its record, that was saved under another key, or that cannot be loaded, is logged, removed and built
 again; never used. The files are trusted as inductor's own cache is (a plan is a pickle): keep the directory
@@ -18,6 +19,7 @@ writable by its owner only.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -40,8 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Artifact", "artifact_dir", "artifact_key", "available", "describe_input", "device_name", "discard_plan", "load",
-    "load_plan", "save", "save_plan", "settings",
-    "sources_hash",
+    "load_plan", "save", "save_plan", "settings", "sources_hash", "SHAPING_SOURCES",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,14 +75,34 @@ def artifact_dir(config: "VGraphConfig") -> Path | None:
     return Path(configured) if configured else None
 
 
+SHAPING_SOURCES = ("*.py", "entry/*.py", "analyze/*.py", "rewrite/*.py", "compile/*.py", "kernels/*.py", "serve/*.py")
+"""The package's modules that shape a trace, its plan or its compiled code (globs under the package): the records,
+the pipeline, the entry points, the passes, the compile, the kernels and the per-call records a plan holds. Not:
+``bench/``, ``sample_models/``, ``hf/`` (its classes' sources are keyed by the plan's module tree) and ``cli.py``."""
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _code(path: Path) -> bytes:
+    """A module's code without its docstrings and comments: its AST, dumped."""
+    tree = ast.parse(path.read_bytes())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
 @functools.cache
-def sources_hash() -> str:
-    """The vgraph sources: a change to any pass or kernel may change the compiled code."""
+def sources_hash(package: Path = _PACKAGE) -> str:
+    """The code of ``SHAPING_SOURCES``: a change to a pass, a kernel or a record may change what is saved; a
+    docstring, a comment or a benchmark module does not."""
     digest = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
+    paths = sorted({path for pattern in SHAPING_SOURCES for path in package.glob(pattern)})
+    for path in paths:
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(_code(path))
     return digest.hexdigest()
 
 

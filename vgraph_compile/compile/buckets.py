@@ -12,12 +12,12 @@ Buffers: each copied token input (``Role.TOKENS``) has one flat storage, sized f
 buffer is a contiguous view of its first elements. The other copied inputs (offsets, indices: the metadata)
 share one byte storage: a bucket's metadata buffers are typed views laid one after another (each at a multiple
 of ``STAGE_ALIGNMENT`` bytes) from its start, so a bucket's metadata is one contiguous byte ``region``, which a
-call whose metadata was seen before fills with one copy of its staged bytes (``Bucket.fill``). Buckets never run
+call whose metadata was seen before fills with one copy of its staged bytes (``serve/fills``). Buckets never run
 at the same time (the runtime serializes calls), so they share both storages. On CPU (or with
 ``cudagraphs=False``) a bucket runs the compiled code on its buffers each call.
 
-What this module does not own: filling the buffers per call (``compile/padding``, called by ``serve/runtime``),
-choosing a bucket, and the order of calls (``serve/runtime``).
+What this module does not own: filling the buffers (``serve/fills``: per call, and empty before a capture, which
+``capture`` takes as its ``prepare``), choosing a bucket, and the order of calls (``serve/runtime``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -36,16 +36,12 @@ from vgraph_compile.compile.inductor import CompiledFn
 from vgraph_compile.counters import counters
 from vgraph_compile.symbolic import evaluate
 from vgraph_compile.spec import BucketShape, Role, VarlenSpec
-from vgraph_compile.compile import padding
 
 __all__ = [
     "Bucket", "BucketStats", "allocate", "capture", "padded_fraction", "pool_bytes", "upload", "STAGE_ALIGNMENT"
 ]
 
 log = logging.getLogger(__name__)
-
-_ROW_VIEWS = 4096
-"""At most this many cached row views per bucket (``Bucket.row_views``; cleared past it)."""
 
 STAGE_ALIGNMENT = 64
 """Byte alignment of each metadata buffer in a bucket's region (compiled kernels assume 16-byte aligned inputs)."""
@@ -81,17 +77,13 @@ class Bucket:
     buffers: dict[int, torch.Tensor]
     """The inputs filled per call, by graph input index."""
     stats: BucketStats
-    fills: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, int], ...] = ()
-    """Per buffer: its role's padding rule, the buffer and its graph input index (looked up once, not per call)."""
     region: torch.Tensor | None = None
     """The bytes of every metadata buffer (all but the token inputs), contiguous; None when there are none."""
-    token_fills: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, int], ...] = ()
-    """The ``fills`` of the token buffers (those outside ``region``)."""
+    tokens: frozenset[int] = frozenset()
+    """Graph input indices of the token buffers (those outside ``region``)."""
     graph: "torch.cuda.CUDAGraph | None" = None
     outputs: Sequence[Any] = field(default_factory=tuple)
     """The captured graph's output tensors (overwritten by each replay)."""
-    row_views: dict = field(default_factory=dict)
-    """(input index, rows) -> the byte views ``padding.RowFills`` copies into and zeroes (made once per rows)."""
 
     def run(self, compiled: CompiledFn) -> Sequence[Any]:
         """Replay the captured graph, or run the compiled code on the buffers."""
@@ -99,30 +91,6 @@ class Bucket:
             self.graph.replay()
             return self.outputs
         return compiled(list(self.inputs))
-
-    def fill(self, args: Sequence[Any], written: Mapping[int, int], staged: torch.Tensor | None = None) -> None:
-        """Fill every buffer from a call's graph inputs by its role's rule (``padding``); ``written`` gives, per
-        input of ``padding.WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``).
-        With ``staged`` (the ``region`` bytes an earlier fill left for the same metadata), the metadata buffers
-        take them in one copy and only the token buffers are filled by their rules. The copies of the buffers padded
-        with zeros along their rows and the staged copy go in one launch, their padding in one more
-        (``padding.RowFills``)."""
-        batch = padding.RowFills(self.row_views)
-        for rule, buffer, index in self.fills if staged is None else self.token_fills:
-            if index in written:
-                rule(buffer, args[index], written[index])
-            elif rule is not padding.ZEROS or not batch.add(index, buffer, args[index]):
-                rule(buffer, args[index])
-        if staged is not None:
-            batch.add_copy(self.region, staged)
-        batch.run()
-        if len(self.row_views) > _ROW_VIEWS:
-            self.row_views.clear()
-
-    def fill_empty(self, roles: dict[int, Role]) -> None:
-        """Fill every buffer as for a call with no tokens (valid input for any kernel)."""
-        for index, buffer in self.buffers.items():
-            padding.fill_empty(roles[index], buffer)
 
 
 def allocate(
@@ -175,10 +143,8 @@ def allocate(
             inputs[index] = buffers[index]
         for index, value in int_inputs.items():
             inputs[index] = evaluate(value, shape.values, "a size input")
-        fills = tuple((padding.RULES[spec.inputs[index].role], buffers[index], index) for index in copied)
         region = region_storage[:end] if region_storage is not None else None
-        token_fills = tuple(fill for fill in fills if fill[2] in tokens)
-        buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget), fills, region, token_fills))
+        buckets.append(Bucket(shape, inputs, buffers, BucketStats(shape.budget), region, frozenset(tokens)))
     return buckets
 
 
@@ -228,14 +194,15 @@ def upload(graph: "torch.cuda.CUDAGraph") -> bool:
 
 
 def capture(
-    buckets: list[Bucket], compiled: CompiledFn, roles: dict[int, Role], pool: tuple[int, int]
+    buckets: list[Bucket], compiled: CompiledFn, pool: tuple[int, int], prepare: Callable[[Bucket], None]
 ) -> list[Bucket]:
-    """Record one CUDA graph per bucket, largest first, into ``pool``; returns the buckets captured."""
+    """Record one CUDA graph per bucket, largest first, into ``pool``, each after ``prepare(bucket)`` filled its
+    buffers as for a call with no tokens; returns the buckets captured."""
     side = torch.cuda.Stream()
     captured = []
     largest_first = sorted(buckets, key=lambda bucket: -bucket.shape.budget)
     for bucket in tqdm(largest_first, desc="vgraph: capturing", unit="graph", leave=False):
-        bucket.fill_empty(roles)
+        prepare(bucket)
         try:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.no_grad():

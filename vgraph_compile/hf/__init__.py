@@ -1,7 +1,7 @@
 """Hugging Face integration, one way in (``hf/vlm``): ``compile_vlm(model)`` for a whole transformers VLM, and
-``compile_vision_tower(tower)`` for its tower. Packed towers pack variable-size images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL,
-EXAONE 4.5, dots3, Cohere Compass, Kimi K2.5...), and ``compile_vision_tower(tower)`` for such a tower, unmodified,
-with its own weights. Nothing is per family: the tower's grid metadata, geometry and outputs are learned from the
+``compile_vision_tower(tower)`` for its tower, unmodified, with its own weights. Packed towers pack variable-size
+images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL, EXAONE 4.5,
+dots3, Cohere Compass, Kimi K2.5...); fixed-tile towers take ``pixel_values[N, C, H, W]``. Nothing is per family: the tower's grid metadata, geometry and outputs are learned from the
 tower (``packed_tower``); a tower vgraph cannot serve is refused with a ``ValueError`` naming the reason.
 
 ``tower = compile_vision_tower(model.visual, token_budgets=[...], max_items=8)`` then
@@ -9,6 +9,12 @@ tower (``packed_tower``); a tower vgraph cannot serve is refused with a ``ValueE
 output object), from CUDA graphs. A tower whose stock forward fails on videos is served on images only, and a
 video call is refused with the reason. Requires transformers >= 5.23 (the towers accept precomputed grid metadata
 as keywords).
+
+Order, and why (from the bottom up): ``attention`` (the towers' attention routed to vgraph's op), ``grid_metadata``
+and ``metadata_plan`` (the host-side grid metadata, computed once per grid), ``stand_in`` and ``packed_tower`` (the
+tower's interface, learned from the tower), ``batching`` (items packed into budgets) and ``outputs`` (scattered
+back per item), ``tiles`` (fixed-tile towers), ``vision_tower`` (the compiled packed tower), ``data_parallel`` and
+``sequence_parallel`` (the multi-GPU modes around it), ``vlm`` (finding the tower inside a VLM).
 """
 
 from vgraph_compile.hf.attention import routed_attention

@@ -19,7 +19,7 @@ Design, and why:
 - **The trace** never sees one tile: dynamo specializes a size of 1, so a first call of one tile is traced as two
   copies of it. A bucket whose size breaks a guard of the trace or of inductor (``F.multi_head_attention_forward``
   and inductor's CPU convolution guard N != 1) is dropped, and its calls pad to the next bucket. SDPA's cuDNN
-  mask check, which would guard N != 1 too, is kept out of the trace (``compile_backend``).
+  mask check, which would guard N != 1 too, is kept out of the trace (``entry/backend``).
 - **Not measured against the packed path:** equal-length varlen segments would need each family's attention and
   masks rewritten into varlen calls; the batch-dim mode keeps the tower's own attention (sdpa with a batch dim),
   so no family-specific code exists anywhere.
@@ -40,7 +40,7 @@ import torch
 
 from vgraph_compile.analyze import TILE_ANALYSES
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.decorator import CompiledEncoderFunction
+from vgraph_compile.entry.decorator import CompiledEncoderFunction
 from vgraph_compile.hf.outputs import OutputFactory
 from vgraph_compile.hf.stand_in import TowerStandIn
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.decorator import encoder
+from vgraph_compile.entry.decorator import encoder
 from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
@@ -38,7 +38,7 @@ from vgraph_compile.hf.packed_tower import (
     rows_per_unit,
 )
 from vgraph_compile.hf.stand_in import TowerStandIn
-from vgraph_compile.hf.packing import Batch, pack
+from vgraph_compile.hf.batching import Batch, pack
 
 __all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
 

@@ -33,11 +33,11 @@ def prepare(device: torch.device) -> None:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_offsets: torch.Tensor, max_seqlen: int, scale
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_offsets: torch.Tensor, max_seqlen: int, scale
 ) -> torch.Tensor:
     prefill = _prefill()
-    half = packed_offsets.shape[0] // 2
-    qko, v_offsets = packed_offsets[:half], packed_offsets[half:]
+    half = qkv_offsets.shape[0] // 2
+    qko, v_offsets = qkv_offsets[:half], qkv_offsets[half:]
     lengths = ((qko[1:] - qko[:-1]) // q.stride(0)).to(torch.int32).view(-1, 1, 1, 1)
     if q.device not in _workspaces:
         prepare(q.device)

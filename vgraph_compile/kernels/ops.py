@@ -19,7 +19,7 @@ from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import finish_output
 from vgraph_compile.kernels.sequence import sequence_attention
 
-__all__ = ["varlen_attention", "VARLEN_ATTENTION", "packed_varlen_attention", "PACKED_VARLEN_ATTENTION"]
+__all__ = ["varlen_attention", "VARLEN_ATTENTION", "qkv_offsets_varlen_attention", "PACKED_VARLEN_ATTENTION"]
 
 
 @torch.library.custom_op("vgraph::varlen_attention", mutates_args=())
@@ -42,10 +42,10 @@ def _varlen_attention(
     the compiled graphs of a sequence-parallel tower set them (``rewrite/sequence_attention``).
     """
     resolved = registry.resolve(backend, q.device, q.dtype)
-    if resolved.packed:
+    if resolved.qkv_offsets:
         raise ValueError(
-            f"backend {backend!r} reads packed [Q/K/O | V] offsets: call packed_varlen_attention, or compile with "
-            "vgraph, whose lower_packed pass builds them"
+            f"backend {backend!r} reads packed [Q/K/O | V] offsets: call qkv_offsets_varlen_attention, or compile with "
+            "vgraph, whose lower_qkv_offsets pass builds them"
         )
 
     def attend(q, k, v, cu_seqlens, max_seqlen):
@@ -80,15 +80,15 @@ VARLEN_ATTENTION = torch.ops.vgraph.varlen_attention
 varlen_attention = _varlen_attention
 
 
-@torch.library.custom_op("vgraph::packed_varlen_attention", mutates_args=())
-def packed_varlen_attention(
+@torch.library.custom_op("vgraph::qkv_offsets_varlen_attention", mutates_args=())
+def qkv_offsets_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    packed_offsets: torch.Tensor,
+    qkv_offsets: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
-    backend: str = "packed_reference",
+    backend: str = "qkv_offsets_reference",
 ) -> torch.Tensor:
     """Varlen attention on FlashInfer's packed element offsets: int32 ``[Q/K/O offsets | V offsets]``, each half
     ``segments + 1`` long and padded with its own last value.
@@ -103,19 +103,19 @@ def packed_varlen_attention(
     )
     if not dense_rows:
         raise ValueError(
-            f"packed offsets share one Q/K/O half: q and k need contiguous rows (strides {q.stride()} and "
+            f"Q/K/O|V offsets share one Q/K/O half: q and k need contiguous rows (strides {q.stride()} and "
             f"{k.stride()}); pass q.contiguous() and k.contiguous()"
         )
     kernel = registry.resolve(backend, q.device, q.dtype).load()
-    out = kernel(q, k, v, packed_offsets, max_seqlen, scale).contiguous()
-    end = packed_offsets[packed_offsets.shape[0] // 2 - 1] // row
-    rows = torch.arange(q.shape[0], device=q.device, dtype=packed_offsets.dtype)
+    out = kernel(q, k, v, qkv_offsets, max_seqlen, scale).contiguous()
+    end = qkv_offsets[qkv_offsets.shape[0] // 2 - 1] // row
+    rows = torch.arange(q.shape[0], device=q.device, dtype=qkv_offsets.dtype)
     return out.masked_fill_((rows >= end)[:, None, None], 0)
 
 
-@packed_varlen_attention.register_fake
-def _(q, k, v, packed_offsets, max_seqlen, scale=None, backend="packed_reference"):
+@qkv_offsets_varlen_attention.register_fake
+def _(q, k, v, qkv_offsets, max_seqlen, scale=None, backend="qkv_offsets_reference"):
     return q.new_empty(q.shape)
 
 
-PACKED_VARLEN_ATTENTION = torch.ops.vgraph.packed_varlen_attention
+PACKED_VARLEN_ATTENTION = torch.ops.vgraph.qkv_offsets_varlen_attention

@@ -21,29 +21,22 @@ from typing import TYPE_CHECKING, Callable, Literal
 if TYPE_CHECKING:
     import torch
 
-AttentionBackendName = Literal[
-    "default", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
-]
-"""Names accepted by the ops' ``backend`` argument. ``"default"`` is a fixed rule (``resolve``); the measured
-choice is ``VGraphConfig.attention_backend="auto"`` (``compile/kernel_timing.py``)."""
-
-
 @dataclass(frozen=True)
 class AttentionBackend:
     """One implementation of packed varlen attention."""
 
     name: str
-    module: str
-    """Module under ``vgraph_compile.kernels`` defining ``attention(q, k, v, offsets, max_seqlen, scale)``."""
+    """The kernel's name, and its module under ``vgraph_compile.kernels`` (defining
+    ``attention(q, k, v, offsets, max_seqlen, scale)`` and optionally ``prepare(device)``)."""
     supports: Callable[["torch.device", "torch.dtype"], bool]
     """Whether the kernel can run on this device and dtype (checked before a graph is built)."""
-    packed: bool = False
-    """Reads packed element offsets ``[Q/K/O | V]`` (``vgraph::packed_varlen_attention``) instead of token
-    cu_seqlens; the ``lower_packed`` pass rewrites sites for it."""
+    qkv_offsets: bool = False
+    """Reads packed element offsets ``[Q/K/O | V]`` (``vgraph::qkv_offsets_varlen_attention``) instead of token
+    cu_seqlens; the ``lower_qkv_offsets`` pass rewrites sites for it."""
     package: tuple[str, str] | None = None
     """(import name, pip package) of the optional package the kernel needs, checked when it is chosen."""
     timed_by_auto: bool = True
-    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``compile/kernel_timing.py``). Not: the
+    """Whether ``attention_backend="auto"`` times this kernel on a GPU (``rewrite/kernel_choice.py``). Not: the
     CPU reference, and FlexAttention, whose compile per shape adds seconds to warm-up and which was the slowest
     kernel on every ViT shape measured on an H200 (BENCHMARKS.md); either runs when named."""
     confined: bool = False
@@ -54,7 +47,7 @@ class AttentionBackend:
     output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
 
     def __post_init__(self) -> None:
-        if self.packed and self.head_dims is not None:
+        if self.qkv_offsets and self.head_dims is not None:
             raise ValueError(
                 f"backend {self.name!r}: packed element offsets count head_dim, so a packed kernel cannot declare "
                 "head_dims to pad to"
@@ -93,11 +86,11 @@ class AttentionBackend:
         return self.unavailable(device, dtype) is None
 
     def load(self) -> Callable[..., "torch.Tensor"]:
-        return importlib.import_module(f"vgraph_compile.kernels.{self.module}").attention
+        return importlib.import_module(f"vgraph_compile.kernels.{self.name}").attention
 
     def prepare(self, device: "torch.device") -> None:
         """Set up what the kernel keeps across calls (e.g. a workspace) before any graph is captured."""
-        prepare = getattr(importlib.import_module(f"vgraph_compile.kernels.{self.module}"), "prepare", None)
+        prepare = getattr(importlib.import_module(f"vgraph_compile.kernels.{self.name}"), "prepare", None)
         if prepare is not None:
             prepare(device)
 
@@ -144,31 +137,32 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
 
 
 BACKENDS: dict[str, AttentionBackend] = {
-    "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False, confined=True),
-    "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
-    "cudnn": AttentionBackend(
-        "cudnn",
-        "cudnn",
-        _cudnn_attention,
-        package=("cudnn", "nvidia-cudnn-frontend"),
-        head_dims=tuple(range(8, 129, 8)),
-    ),
-    "fa4": AttentionBackend(
-        "fa4",
-        "fa4",
-        _hopper_half_kernel,
-        package=("flash_attn.cute", "flash-attn-4"),
-        head_dims=tuple(range(8, 129, 8)),
-        confined=True,
-    ),
-    "flashinfer": AttentionBackend(
-        "flashinfer", "flashinfer", _cuda_half_kernel, packed=True, package=("flashinfer", "flashinfer-python")
-    ),
-    "packed_reference": AttentionBackend("packed_reference", "packed_reference", lambda d, t: True, packed=True),
-    "flex": AttentionBackend(
-        "flex", "flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False, confined=True
-    ),
+    backend.name: backend
+    for backend in (
+        AttentionBackend("sdpa", lambda device, dtype: True, timed_by_auto=False, confined=True),
+        AttentionBackend("torch_varlen", _cuda_half),
+        AttentionBackend(
+            "cudnn", _cudnn_attention, package=("cudnn", "nvidia-cudnn-frontend"), head_dims=tuple(range(8, 129, 8))
+        ),
+        AttentionBackend(
+            "fa4",
+            _hopper_half_kernel,
+            package=("flash_attn.cute", "flash-attn-4"),
+            head_dims=tuple(range(8, 129, 8)),
+            confined=True,
+        ),
+        AttentionBackend(
+            "flashinfer", _cuda_half_kernel, qkv_offsets=True, package=("flashinfer", "flashinfer-python")
+        ),
+        AttentionBackend("qkv_offsets_reference", lambda device, dtype: True, qkv_offsets=True),
+        AttentionBackend("flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False, confined=True),
+    )
 }
+"""Every kernel by its name, written once (``AttentionBackend.name``)."""
+
+AttentionBackendName = Literal[("default", *BACKENDS)]  # type: ignore[valid-type]
+"""Names accepted by the ops' ``backend`` argument, made from ``BACKENDS``. ``"default"`` is a fixed rule
+(``resolve``); the measured choice is ``VGraphConfig.attention_backend="auto"`` (``rewrite/kernel_choice.py``)."""
 
 
 def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:

@@ -3,9 +3,9 @@
 Invariant: inputs, outputs and every other node are unchanged; only the ``backend`` argument of vgraph's own ops
 moves. It runs on the eager fallback and on the graph inductor compiles alike, so both run the same kernel. A
 site takes its attention group's measured kernel (``ctx.kernels``, from the build's timing) when there is one,
-else the configured kernel resolved for the device and dtype of its own q; a site on packed offsets keeps its
+else the configured kernel resolved for the device and dtype of its own q; a site on Q/K/O|V offsets keeps its
 kernel unless a packed one is configured. Nothing is timed or allocated here: the build does that
-(``compile/kernel_timing``, ``kernels_used``).
+(``rewrite/kernel_choice``, ``kernels_used``).
 
 Before/After (``attention_backend="sdpa"``)::
 
@@ -57,7 +57,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if name == "auto":  # nothing was timed for this group: the ops' fixed rule
             name = "default"
         configured = registry.resolve(name, q.device, q.dtype)
-        if op.packed and not configured.packed:
+        if op.qkv_offsets and not configured.qkv_offsets:
             continue
         if get_argument(node, op.backend) != configured.name:
             set_argument(node, op.backend, configured.name)

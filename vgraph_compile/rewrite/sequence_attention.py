@@ -3,7 +3,7 @@
 Invariant: only the ``sequence_group`` / ``sequence_ranks`` arguments of ``vgraph::varlen_attention`` sites move,
 and only at sites of groups that are not window groups (``analyze.bounds.window_groups``): a rank's slice is cut at
 window boundaries, so window segments lie inside one slice and stay local, while full-attention segments may span
-slices. A site given a packed kernel (which reads element offsets ``lower_packed`` builds from local rows) runs the
+slices. A site given a packed kernel (which reads element offsets ``lower_qkv_offsets`` builds from local rows) runs the
 ``"default"`` kernel instead. Without the config field, nothing changes.
 
 Before/After (``sequence_parallel=("0", 2)``, group 0 full attention, group 1 windows)::
@@ -43,7 +43,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if op.name != "vgraph::varlen_attention" or groups.get(node.name) in windows:
             continue
         q = example_value(get_argument(node, op.q))
-        if registry.resolve(get_argument(node, op.backend), q.device, q.dtype).packed:
+        if registry.resolve(get_argument(node, op.backend), q.device, q.dtype).qkv_offsets:
             set_argument(node, op.backend, "default")
         set_argument(node, "sequence_group", group_name)
         set_argument(node, "sequence_ranks", ranks)

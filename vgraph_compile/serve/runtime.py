@@ -8,7 +8,7 @@ the traced graph eagerly, counted and logged once per reason; so does a call tha
 are inference-only).
 
 With ``call_choice="measured"``, the warm-up also times every bucket's replay and
-the eager graph at its sizes (``compile/call_costs``), and a call that fits a bucket takes the cheapest by that
+the eager graph at its sizes (``serve/call_costs``), and a call that fits a bucket takes the cheapest by that
 table of: padding it to the smallest bucket, splitting it at a segment boundary over two smaller buckets (where
 ``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), and running
 it eagerly. ``stats_table()`` counts each choice.
@@ -33,12 +33,13 @@ from typing import Any, Hashable, Iterator, Sequence
 import sympy
 import torch
 
-from vgraph_compile.compile.build import CompiledEncoder
+from vgraph_compile.compile.assemble import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
-from vgraph_compile.compile.call_costs import CallCosts, measure_call_costs
+from vgraph_compile.serve.call_costs import CallCosts, measure_call_costs
 from vgraph_compile.counters import counters
 from vgraph_compile.spec import BucketShape
-from vgraph_compile.serve.checks import CallChecks, CallPlan
+from vgraph_compile.serve import fills
+from vgraph_compile.serve.call_checks import CallChecks, CallPlan
 from vgraph_compile.serve.split import Splitter, can_split
 
 __all__ = ["VGraphRuntime"]
@@ -118,6 +119,8 @@ class VGraphRuntime:
         self._routes: dict[tuple[int, ...], tuple[str, float]] = {}
         """Per call sizes: the cheaper of padding and eager, and its cost (a split depends on the offsets' values)."""
         self._split_floors: dict[int, float] = {}
+        self._fills: dict[int, fills.BucketFills] = {}
+        """Per bucket budget: its buffers' fills (made at the bucket's first call)."""
         self.first_outputs: list[Any] | None = None
         """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
         encoder returns, then drops them); no other call's outputs are kept."""
@@ -130,7 +133,7 @@ class VGraphRuntime:
         """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured."""
         if self.encoder.captured:
             return False
-        self.encoder.warmup()
+        self.encoder.warmup(lambda bucket: fills.empty_bucket(bucket, self.encoder.roles))
         if self.config.call_choice == "measured" and self.buckets:
             self.costs = measure_call_costs(
                 self.buckets,
@@ -333,14 +336,17 @@ class VGraphRuntime:
     def _fill(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable) -> None:
         """Every buffer, every call: an unkeyed call's metadata too (a tensor can change without its version
         counter moving). A keyed call's metadata comes from the bytes staged at the key's first call here."""
+        bucket_fills = self._fills.get(bucket.shape.budget)
+        if bucket_fills is None:
+            bucket_fills = self._fills[bucket.shape.budget] = fills.BucketFills(bucket, self.encoder.roles)
         if key is None or bucket.region is None:
-            bucket.fill(args, plan.written)
+            bucket_fills.fill(args, plan.written)
             return
         staged = self._staged.get((key, bucket.shape.budget))
         if staged is not None:
-            bucket.fill(args, plan.written, staged)
+            bucket_fills.fill(args, plan.written, staged)
             return
-        bucket.fill(args, plan.written)
+        bucket_fills.fill(args, plan.written)
         if len(self._staged) >= _STAGED_CACHE_SIZE:
             self._staged.clear()
         self._staged[key, bucket.shape.budget] = bucket.region.clone()

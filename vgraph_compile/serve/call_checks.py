@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import sympy
 import torch
 
-from vgraph_compile.compile.padding import WRITTEN_SIZE_ROLES
+from vgraph_compile.serve.fills import WRITTEN_SIZE_ROLES
 from vgraph_compile.spec import PassContext, Role, VarlenSpec
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class CallPlan:
     ends: dict[int, int]
     """Per offsets input (by index): the row count its last entry must equal, where the graph states one."""
     written: dict[int, int]
-    """Per input whose padding rule reads it (``padding.WRITTEN_SIZE_ROLES``): the real size of the dim it writes."""
+    """Per input whose padding rule reads it (``fills.WRITTEN_SIZE_ROLES``): the real size of the dim it writes."""
     narrow: tuple[tuple[tuple[int, int], ...] | int | None, ...]
     """Per output: (dim, real size) pairs to narrow a tensor to, its value for an int output, or None."""
 

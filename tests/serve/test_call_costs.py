@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import vgraph_compile
-from vgraph_compile.compile.call_costs import CallCosts, fill_full
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.serve.call_costs import CallCosts, fill_full
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 
 def test_eager_time_is_linear_between_budgets_and_held_below_the_smallest():

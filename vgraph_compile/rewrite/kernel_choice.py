@@ -58,7 +58,7 @@ def _candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [
         name
         for name, backend in registry.BACKENDS.items()
-        if not backend.packed and backend.timed_by_auto and backend.available(device, dtype)
+        if not backend.qkv_offsets and backend.timed_by_auto and backend.available(device, dtype)
     ]
 
 

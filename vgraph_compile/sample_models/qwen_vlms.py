@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vgraph_compile.models.qwen_towers import MERGER_WIDTH, REAL_SIZES, TOY_SIZES
+from vgraph_compile.sample_models.qwen_towers import MERGER_WIDTH, REAL_SIZES, TOY_SIZES
 
 __all__ = ["VLM_FAMILIES", "Item", "Request", "qwen_vlm", "image_processor", "photos", "video_clip", "model_inputs", "resized"]
 

@@ -6,13 +6,13 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 
 def test_entry_point_is_registered():
     """pip install registers the backend: torch.compile finds "vgraph" without importing the package first."""
     names = {entry.name: entry.value for entry in importlib.metadata.entry_points(group="torch_dynamo_backends")}
-    assert names["vgraph"] == "vgraph_compile.compile_backend:vgraph_backend"
+    assert names["vgraph"] == "vgraph_compile.entry.backend:vgraph_backend"
     assert "vgraph" in torch._dynamo.list_backends(exclude_tags=())
 
 
@@ -81,8 +81,8 @@ def test_a_retrace_says_what_changed(caplog):
 def test_dynamo_traces_without_cudnn_attention_and_the_build_gets_the_callers_setting(caller):
     """SDPA's cuDNN mask check guards a batch of 1: it is off while dynamo traces, and the backend builds with the
     setting the caller had (``VGraphBackend.cudnn_attention``), which is restored after the call."""
-    from vgraph_compile.compile_backend import cudnn_attention
-    from vgraph_compile.decorator import trace_options
+    from vgraph_compile.pipeline import cudnn_attention
+    from vgraph_compile.entry.trace_options import trace_options
 
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
     with cudnn_attention(caller):

@@ -1,4 +1,4 @@
-"""Padding rules: how a real input fills its bucket's persistent buffer, one rule per ``Role``.
+"""Fills: how a call's real inputs fill a bucket's persistent buffers, one rule per ``Role``.
 
 Invariant: after ``fill``, ``buffer[:n]`` (along the padded dim) equals the input, and the rest holds the role's
 padding, whatever the buffer held before. No rule reads device data on the host: the one size a rule needs
@@ -8,18 +8,22 @@ is on the per-call path: a copy and at most one padding op, none when the input 
 ``RowFills`` batches the common case (``ZEROS`` padded along dim 0 only, the token rows) of every buffer of one
 call: their copies, together with any other byte copies (a staged metadata region), go in one
 ``torch._foreach_copy_`` and their zero tails in one ``torch._foreach_zero_``, over byte views, so a call costs
-two launches for all of them instead of two per buffer.
+two launches for all of them instead of two per buffer. ``BucketFills`` holds one bucket's rules, looked up once.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.spec import Role
 
-__all__ = ["fill", "fill_empty", "RowFills", "RULES", "WRITTEN_SIZE_ROLES", "ZEROS"]
+__all__ = ["BucketFills", "fill", "fill_empty", "empty_bucket", "RowFills", "RULES", "WRITTEN_SIZE_ROLES", "ZEROS"]
+
+_ROW_VIEWS = 4096
+"""At most this many cached row views per bucket (``BucketFills.row_views``; cleared past it)."""
 
 
 def _zeros(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -130,7 +134,7 @@ RULES: dict[Role, Callable[..., None]] = {
     Role.SEGMENT_LENGTHS: _zeros,
     Role.TABLE_INDEX: _zeros,
     Role.SEGMENT_OFFSETS: _repeat_last,
-    Role.PACKED_OFFSETS: _repeat_last_per_half,
+    Role.QKV_OFFSETS: _repeat_last_per_half,
     Role.GATHER_INDEX: _identity,
     Role.SCATTER_INDEX: _identity,
     Role.PLACEMENT_INDEX: _from_written,
@@ -151,6 +155,44 @@ def fill(role: Role, buffer: torch.Tensor, value: torch.Tensor, written: int | N
 
 
 def fill_empty(role: Role, buffer: torch.Tensor) -> None:
-    """Fill ``buffer`` as for a call with no tokens: one offset 0 (two for packed offsets), no rows."""
-    rows = {Role.SEGMENT_OFFSETS: 1, Role.PACKED_OFFSETS: 2}.get(role, 0)
+    """Fill ``buffer`` as for a call with no tokens: one offset 0 (two for Q/K/O|V offsets), no rows."""
+    rows = {Role.SEGMENT_OFFSETS: 1, Role.QKV_OFFSETS: 2}.get(role, 0)
     fill(role, buffer, buffer.new_zeros((rows, *buffer.shape[1:])), 0 if role in WRITTEN_SIZE_ROLES else None)
+
+
+def empty_bucket(bucket: Bucket, roles: Mapping[int, Role]) -> None:
+    """Fill every buffer of ``bucket`` as for a call with no tokens (valid input for any kernel)."""
+    for index, buffer in bucket.buffers.items():
+        fill_empty(roles[index], buffer)
+
+
+class BucketFills:
+    """One bucket's fills: per buffer its role's rule (looked up once, not per call), and the cached row views."""
+
+    def __init__(self, bucket: Bucket, roles: Mapping[int, Role]) -> None:
+        self.bucket = bucket
+        self.roles = roles
+        self.rules = tuple((RULES[roles[index]], buffer, index) for index, buffer in bucket.buffers.items())
+        """Per buffer: its role's rule, the buffer and its graph input index."""
+        self.token_rules = tuple(rule for rule in self.rules if rule[2] in bucket.tokens)
+        """The ``rules`` of the token buffers (those outside the bucket's metadata ``region``)."""
+        self.row_views: dict = {}
+        """(input index, rows) -> the byte views ``RowFills`` copies into and zeroes (made once per rows)."""
+
+    def fill(self, args: Sequence[torch.Tensor], written: Mapping[int, int], staged: torch.Tensor | None = None) -> None:
+        """Fill every buffer from a call's graph inputs by its role's rule; ``written`` gives, per input of
+        ``WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``). With ``staged``
+        (the ``region`` bytes an earlier fill left for the same metadata), the metadata buffers take them in one
+        copy and only the token buffers are filled by their rules. The copies of the buffers padded with zeros
+        along their rows and the staged copy go in one launch, their padding in one more (``RowFills``)."""
+        batch = RowFills(self.row_views)
+        for rule, buffer, index in self.rules if staged is None else self.token_rules:
+            if index in written:
+                rule(buffer, args[index], written[index])
+            elif rule is not ZEROS or not batch.add(index, buffer, args[index]):
+                rule(buffer, args[index])
+        if staged is not None:
+            batch.add_copy(self.bucket.region, staged)
+        batch.run()
+        if len(self.row_views) > _ROW_VIEWS:
+            self.row_views.clear()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vgraph_compile.models.qwen_towers import REAL_SIZES
+from vgraph_compile.sample_models.qwen_towers import REAL_SIZES
 
 __all__ = ["Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "TINY_SIZES"]
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import vgraph_compile
 from tests.rewrite.test_align_matmuls import GatedBlock
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import pack_images
+from vgraph_compile.sample_models.packed_vit import pack_images
 
 ROW_PADDED = ("gate.weight", "gate.bias", "up.weight", "up.bias")
 """Producers of the 60-wide region: padded along their first dim to 64, so their block is a contiguous view."""

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from vgraph_compile.compile.kernel_timing import _candidates, fastest_kernel, load_timings, save_timings
+from vgraph_compile.rewrite.kernel_choice import _candidates, fastest_kernel, load_timings, save_timings
 
 
 def test_fastest_wins_failures_are_skipped_and_timings_cached(caplog):

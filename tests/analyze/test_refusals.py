@@ -3,7 +3,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from tests.helpers import trace
-from vgraph_compile.models.packed_vit import pack_images
+from vgraph_compile.sample_models.packed_vit import pack_images
 from vgraph_compile.kernels.ops import varlen_attention
 from vgraph_compile.analyze import discover
 

@@ -13,8 +13,8 @@ import torch
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.warm_start import BuildPlan, GraphPlan
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.entry.warm_start import BuildPlan, GraphPlan
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 CALLS = ([5, 7], [30, 20], [3])
 """One call per bucket and one more: 16- and 64-token buckets."""
@@ -30,8 +30,8 @@ SERVE = """
 import json, sys, torch
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.warm_start import BuildPlan, GraphPlan
-from vgraph_compile.models.packed_vit import PackedViT, pack_images
+from vgraph_compile.entry.warm_start import BuildPlan, GraphPlan
+from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 torch.manual_seed(int(sys.argv[2]))
 model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
 compiled = vgraph_compile.encoder(model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa",

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.spec import Role
-from vgraph_compile.compile.padding import RowFills, fill, fill_empty
+from vgraph_compile.serve.fills import RowFills, fill, fill_empty
 from vgraph_compile.kernels.segments import cu_seqlens
 
 
@@ -58,7 +58,7 @@ def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(length
     """Padding [Q/K/O | V] offsets half by half (into a capture buffer up to 40 segments larger) leaves every real
     row unchanged and ends each half at its own last offset; padding it as one flat sequence would end the Q/K/O
     half on a V offset."""
-    from vgraph_compile.kernels.ops import packed_varlen_attention
+    from vgraph_compile.kernels.ops import qkv_offsets_varlen_attention
 
     tokens = sum(lengths)
     q, k, v = torch.randn(2 * tokens, 3, 2, 4).unbind(1)  # bucket rows: real rows, then padding
@@ -66,10 +66,10 @@ def test_packed_halves_padding_keeps_real_rows_and_flat_padding_is_caught(length
     cu = cu_seqlens(lengths)
     packed = torch.cat([cu * 8, cu * v.stride(0)])
     capacity = torch.full((packed.shape[0] + 2 * extra,), -1, dtype=torch.int32)
-    real = packed_varlen_attention(q, k, v, packed, tokens)[:tokens]
+    real = qkv_offsets_varlen_attention(q, k, v, packed, tokens)[:tokens]
 
-    fill(Role.PACKED_OFFSETS, capacity, packed)
-    torch.testing.assert_close(packed_varlen_attention(q, k, v, capacity, tokens)[:tokens], real, rtol=0, atol=0)
+    fill(Role.QKV_OFFSETS, capacity, packed)
+    torch.testing.assert_close(qkv_offsets_varlen_attention(q, k, v, capacity, tokens)[:tokens], real, rtol=0, atol=0)
 
     half = capacity.shape[0] // 2
     assert capacity[:half].tolist() == (cu * 8).tolist() + [8 * tokens] * extra
@@ -88,7 +88,7 @@ def test_padded_placement_entries_write_distinct_padding_rows(lengths, more_patc
     """Patch and CLS rows placed into patches + images rows (``place_cls_rows``), padded into a bucket with more of
     each: every padded entry points past the call's real rows, no two padded entries of one index are equal, all
     stay inside the bucket's destination, and writing NaN through the padded entries keeps every real row."""
-    from vgraph_compile.models.packed_vit import place_cls_rows
+    from vgraph_compile.sample_models.packed_vit import place_cls_rows
 
     patches, _, _, cls_rows, patch_rows = place_cls_rows(lengths, 1)
     written = len(lengths) + sum(lengths)

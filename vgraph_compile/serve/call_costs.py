@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from vgraph_compile.compile.buckets import Bucket
+from vgraph_compile.serve import fills
 from vgraph_compile.spec import Role, VarlenSpec
 from vgraph_compile.symbolic import evaluate
 
@@ -69,7 +70,7 @@ class CallCosts:
 def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generator: torch.Generator) -> None:
     """Fill ``bucket`` as its costliest call (module docstring): random token rows, each group that ends at its
     rows cut into segments of the bucket's ``max_seqlen``, the rest as for a call with no tokens."""
-    bucket.fill_empty(roles)
+    fills.empty_bucket(bucket, roles)
     for index, buffer in bucket.buffers.items():
         if roles[index] is Role.TOKENS and buffer.is_floating_point():
             buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))

@@ -40,13 +40,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
+from vgraph_compile import pipeline
 from vgraph_compile.compile import artifacts
-from vgraph_compile.compile.build import BuildRecord, assemble
+from vgraph_compile.compile.assemble import BuildRecord
 from vgraph_compile.compile.inductor import CompiledFn, load_compiled
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
-from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile.spec import PassContext, VarlenSpec
 
@@ -300,12 +300,11 @@ def load(
     bound: list[Any] = [None] * len(plan.spec.inputs)
     for index, name in plan.state.items():
         bound[index] = state[name]
-    encoder = assemble(plan.spec, record, compiled, bound)
+    built = pipeline.build_from_plan(config, plan.spec, record, compiled, bound)
     fixed = list(bound)
     for index, value in plan.constants.items():
         fixed[index] = value
-    checks = CallChecks(plan.spec, config, record.layout.copied)
-    runtime = VGraphRuntime(encoder, checks, torch.device(plan.device), fixed)
+    runtime = VGraphRuntime(built.encoder, built.checks, torch.device(plan.device), fixed)
     arguments = CallArguments.over(forward, plan.paths, fixed)
     arguments.fingerprint = plan.fingerprint
     log.info("vgraph: serving from the build plan %s (no trace, no compile)", key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.models.packed_vit import ClsViT, PlacedClsViT, RegisterViT, WindowedViT, pack_images, place_cls_rows
+from vgraph_compile.sample_models.packed_vit import ClsViT, PlacedClsViT, RegisterViT, WindowedViT, pack_images, place_cls_rows
 
 QWEN25_GEOMETRY = VisionGeometry(patch_size=14, window_size=112)
 

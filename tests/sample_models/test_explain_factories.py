@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 import vgraph_compile
 from tests.helpers import counter_changes
-from vgraph_compile.models import examples
+from vgraph_compile.sample_models import explain_factories
 from vgraph_compile.counters import counters
-from vgraph_compile.models.packed_vit import ClsViT, PlacedClsViT, pack_images, place_cls_rows
+from vgraph_compile.sample_models.packed_vit import ClsViT, PlacedClsViT, pack_images, place_cls_rows
 
 OPTIONS = {"token_budgets": (64, 256), "max_segments": 6, "compiler": "eager"}
 
@@ -73,12 +73,12 @@ GRIDS = st.lists(
 def test_windowed_vit_needs_no_torch_check(entry):
     """The window permutation ties tokens to 4x the window index in the graph itself: no torch._check needed."""
     earlier = {runtime.serial for runtime in vgraph_compile.runtimes()}
-    geometry = {"geometry": examples.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
+    geometry = {"geometry": explain_factories.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
     model, compiled = _compiled("windowed_vit", entry, token_budgets=(256, 1024), **geometry)
 
     @given(grid=GRIDS)
     def check(grid):
-        call = examples.windowed_inputs(examples.QWEN25_GEOMETRY, grid, 24)
+        call = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, grid, 24)
         with torch.no_grad():
             torch.testing.assert_close(compiled(*call), model(*call), rtol=1e-5, atol=1e-5)
 
@@ -91,7 +91,7 @@ def test_windowed_vit_needs_no_torch_check(entry):
 
 def test_placed_rows_from_the_host_give_cls_vit_outputs():
     """``place_cls_rows`` puts each row where ClsViT's graph puts it: with the same weights, the same outputs."""
-    model, _ = examples.placed_cls_vit()
+    model, _ = explain_factories.placed_cls_vit()
     cls_vit = ClsViT(patch_dim=24, dim=32, depth=2, heads=2, out_dim=16).eval()
     cls_vit.load_state_dict(model.state_dict())
     lengths = [12, 20, 8]

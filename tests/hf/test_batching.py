@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgraph_compile.hf.packing import pack
+from vgraph_compile.hf.batching import pack
 
 items = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 8), st.integers(1, 8)), min_size=1, max_size=12)
 

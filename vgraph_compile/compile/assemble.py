@@ -1,24 +1,22 @@
-"""The build stage (``graphs``): one compiled graph for a traced encoder, then per bucket its buffers and captured graph.
+"""Assembly, the pipeline's last stage: the compiled code bound into an encoder with its buckets' buffers.
 
-``build(gm, ctx)`` runs after the analyses (``ctx.spec``, ``ctx.buckets``): it rewrites two copies of the trace
-(the eager fallback, and the graph inductor compiles once) and compiles; ``assemble`` then binds the parameters
-(padded where ``align_matmuls`` asked), prepares the kernels' state, and allocates every bucket's buffers.
-``CompiledEncoder.warmup()`` captures the CUDA graphs (on the first call). The runtime only validates, fills,
+``assemble`` binds the parameters (padded where ``align_matmuls`` asked, sharing the module's storage), prepares
+the kernels' state and allocates every bucket's buffers. ``CompiledEncoder.warmup(prepare)`` captures the CUDA
+graphs (on the first call; ``prepare`` is the serving stage's empty fill). The runtime only validates, fills,
 replays and narrows.
 
-What the build decided is a picklable ``BuildRecord``: a later process that loaded it (``vgraph_compile/
-warm_start``) and the compiled code (``compile/artifacts``) calls ``assemble`` itself, with no trace and no
-compile.
+What the earlier stages decided is a picklable ``BuildRecord``: a later process that loaded it
+(``entry/warm_start``) and the compiled code (``compile/artifacts``) calls ``assemble`` itself, with no trace and
+no compile.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -27,15 +25,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from vgraph_compile.kernels import registry
 from vgraph_compile.compile import buckets as bucket_graphs
 from vgraph_compile.compile.buckets import Bucket
-from vgraph_compile.compile.inductor import CompiledFn, compile_once
-from vgraph_compile.compile.kernel_timing import choose_kernels
+from vgraph_compile.compile.inductor import CompiledFn
 from vgraph_compile.counters import counters
-from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, fold_scalars, rewrite, select_kernel
 from vgraph_compile.rewrite.align_matmuls import PADDED_SHAPE
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
 
-__all__ = ["assemble", "build", "BuildRecord", "CompiledEncoder", "InputLayout"]
+__all__ = ["assemble", "BuildRecord", "CompiledEncoder", "InputLayout", "cudagraphs_wanted", "input_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +53,10 @@ class InputLayout:
     """Parameters ``align_matmuls`` pads: their aligned shape."""
 
 
-def _layout(gm: torch.fx.GraphModule, ctx: PassContext) -> InputLayout:
+def input_layout(gm: torch.fx.GraphModule, spec: VarlenSpec) -> InputLayout:
+    """How each input of the graph to compile (rewritten) enters the buckets."""
     copied, sizes, constants, padded = {}, {}, {}, {}
-    for role, node in zip(ctx.spec.inputs, gm.graph.find_nodes(op="placeholder")):
+    for role, node in zip(spec.inputs, gm.graph.find_nodes(op="placeholder")):
         value = example_value(node)
         if role.role is Role.PARAMETER:
             if node.meta.get(PADDED_SHAPE) is not None:
@@ -118,9 +115,10 @@ class CompiledEncoder:
         self.eager, self.kernels, self.folded = self.record.eager, self.record.kernels, self.record.folded
         self.cudagraphs = self.record.cudagraphs
 
-    def warmup(self) -> None:
-        """Capture every bucket's CUDA graph (largest first, one pool); idempotent and thread-safe. Once done it
-        costs one attribute read, so every call may ask for it."""
+    def warmup(self, prepare: Callable[[Bucket], None]) -> None:
+        """Capture every bucket's CUDA graph (largest first, one pool), each after ``prepare(bucket)`` filled its
+        buffers as for a call with no tokens; idempotent and thread-safe. Once done it costs one attribute read, so
+        every call may ask for it."""
         if self.captured:
             return
         with self._lock:
@@ -129,7 +127,7 @@ class CompiledEncoder:
             if self.cudagraphs:
                 pool = torch.cuda.graph_pool_handle()
                 with torch.inference_mode(False):
-                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles, pool)
+                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, pool, prepare)
                 self.pool_bytes = bucket_graphs.pool_bytes(pool)
             self.captured = True
 
@@ -143,7 +141,8 @@ class CompiledEncoder:
         self.strided.clear()
 
 
-def _cudagraphs(ctx: PassContext) -> bool:
+def cudagraphs_wanted(ctx: PassContext) -> bool:
+    """Whether the encoder captures CUDA graphs; a ``cudagraphs=True`` it cannot honour is a ValueError."""
     config = ctx.config
     wanted = (
         ctx.device.type == "cuda" and config.compiler == "inductor" if config.cudagraphs is None else config.cudagraphs
@@ -210,29 +209,3 @@ def assemble(spec: VarlenSpec, record: BuildRecord, compiled: CompiledFn, state:
     counters.buckets_built += len(buckets)
     roles = {index: spec.inputs[index].role for index in layout.copied}
     return CompiledEncoder(record, compiled, buckets, roles, strided=strided)
-
-
-def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
-    """Rewrite, compile once, bind and allocate; ``gm`` itself is left as traced."""
-    cudagraphs = _cudagraphs(ctx)
-    folded = fold_scalars.folded(gm, ctx)
-    ctx.kernels = choose_kernels(gm, ctx)
-    eager = rewrite(copy.deepcopy(gm), ctx, REWRITES)
-    compiled_graph = rewrite(copy.deepcopy(gm), ctx, REWRITES + COMPILE_REWRITES)
-    prepared = tuple((name, str(device)) for name, device in select_kernel.kernels_used(compiled_graph))
-    layout = _layout(compiled_graph, ctx)
-    kernels = select_kernel.kernels_by_group(compiled_graph, ctx)
-    result = compile_once(compiled_graph, ctx)
-    record = BuildRecord(
-        eager=eager,
-        layout=layout,
-        shapes=tuple(result.shapes),
-        cudagraphs=cudagraphs,
-        kernels=kernels,
-        folded=folded,
-        prepared=prepared,
-        artifact_key=result.artifact_key,
-        graph=compiled_graph if ctx.config.compiler == "eager" else None,
-    )
-    state = [value if role.role is Role.PARAMETER else None for role, value in zip(ctx.spec.inputs, ctx.example_inputs)]
-    return assemble(ctx.spec, record, result.run, state)

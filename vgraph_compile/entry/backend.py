@@ -4,44 +4,41 @@
 ``torch_dynamo_backends`` entry point; ``VGraphBackend(config)`` is the same backend as an object that keeps the
 runtimes it built (``vgraph_compile.encoder`` uses it).
 
-Inside dynamo's call of the backend, in order: the analyses (a bad encoder or budget fails here), the checks of
-the call being traced (bad input is refused before anything compiles), and the build (rewrites and one inductor
-compile for every bucket). A trace built before, in this process or an earlier one, is served from its saved
-graph plan instead: its checks rebuilt from the saved spec, no analyses, no rewrites, no compile
-(``vgraph_compile/warm_start``). The build runs here, not later: aot_autograd and inductor signal dynamo to trace again
-(``TensorifyScalarRestartAnalysis``, recompiles) by raising, and only dynamo's call of the backend catches those.
-The returned ``VGraphRuntime`` captures the buckets' CUDA graphs at its first call (captures raise no such signal).
+Inside dynamo's call of the backend, the pipeline's stages run in order (``vgraph_compile/pipeline``). A trace
+built before, in this process or an earlier one, is served from its saved graph plan instead (``warm_start``):
+only the checks and the assembly run. The stages run here, not later: aot_autograd and inductor signal dynamo to
+trace again (``TensorifyScalarRestartAnalysis``, recompiles) by raising, and only dynamo's call of the backend
+catches those. The returned ``VGraphRuntime`` captures the buckets' CUDA graphs at its first call (captures raise
+no such signal).
 
-cuDNN attention is off while dynamo traces (``decorator.trace_options``) and the build compiles with the
-setting the caller had (``VGraphBackend.cudnn_attention``): SDPA's cuDNN check of a mask asks whether its batch
-dim is 1, which under tracing becomes a guard ``N != 1`` that excludes a bucket of one tile, although it only
-chooses a kernel. The compile chooses again, on the rewritten graph (whose all-True masks are dropped).
+cuDNN attention is off while dynamo traces (``trace_options``) and the compile runs with the setting the caller
+had (``VGraphBackend.cudnn_attention``): SDPA's cuDNN check of a mask asks whether its batch dim is 1, which under
+tracing becomes a guard ``N != 1`` that excludes a bucket of one tile, although it only chooses a kernel. The
+compile chooses again, on the rewritten graph (whose all-True masks are dropped).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vgraph_compile.analyze import ANALYSES, Analyses, analyze
-from vgraph_compile import warm_start
-from vgraph_compile.compile.build import assemble, build
+from vgraph_compile import pipeline
+from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
+from vgraph_compile.entry import warm_start
 from vgraph_compile.serve.arguments import argument_rooted
-from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile.spec import PassContext, Role, StaticTokensError, user_name
 from vgraph_compile.symbolic import evaluate, traced_values
 
-__all__ = ["vgraph_backend", "VGraphBackend", "runtimes", "cudnn_attention"]
+__all__ = ["vgraph_backend", "VGraphBackend", "runtimes"]
 
 log = logging.getLogger(__name__)
 
@@ -149,25 +146,20 @@ class VGraphBackend:
             config=self.config,
             device=_device(example_inputs),
         )
+        first_call = _first_call(example_inputs, ctx.shape_env)
         key = warm_start.graph_key(gm, ctx, self.analyses)
         loaded = warm_start.load_graph(self.config, key) if key is not None else None
         if loaded is not None:
             spec, record, compiled = loaded
-            checks = CallChecks(spec, self.config, record.layout.copied)
-            checks.check(_first_call(example_inputs, ctx.shape_env))
             state = [value if role.role is Role.PARAMETER else None for role, value in zip(spec.inputs, example_inputs)]
-            encoder = assemble(spec, record, compiled, state)
+            built = pipeline.build_from_plan(self.config, spec, record, compiled, state, first_call)
         else:
             try:
-                analyze(gm, ctx, self.analyses)
+                built = pipeline.build(gm, ctx, first_call, self.analyses, self.cudnn_attention)
             except StaticTokensError as error:
                 return self._static_trace(gm, str(error))
-            checks = CallChecks.from_context(ctx)
-            checks.check(_first_call(example_inputs, ctx.shape_env))
-            with contextlib.nullcontext() if self.cudnn_attention is None else cudnn_attention(self.cudnn_attention):
-                encoder = build(gm, ctx)
             if key is not None:
-                warm_start.save_graph(self.config, key, ctx.spec, encoder.record)
+                warm_start.save_graph(self.config, key, built.spec, built.record)
         counters.traces += 1
         self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
@@ -175,7 +167,7 @@ class VGraphBackend:
             None if source is not None and argument_rooted(source) else value
             for source, value in zip(sources, ctx.example_inputs)
         ]
-        runtime = VGraphRuntime(encoder, checks, ctx.device, fixed, sources, self.keep_first_outputs)
+        runtime = VGraphRuntime(built.encoder, built.checks, ctx.device, fixed, sources, self.keep_first_outputs)
         self.adopt(runtime)
         return runtime
 
@@ -183,17 +175,6 @@ class VGraphBackend:
         """Keep ``runtime`` with this backend's (a runtime this backend built, or one assembled from a saved plan)."""
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
-
-
-@contextlib.contextmanager
-def cudnn_attention(enabled: bool) -> Iterator[None]:
-    """SDPA's cuDNN backend on or off inside the block, restored after it."""
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(enabled)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def vgraph_backend(

@@ -1,6 +1,6 @@
 """Rewrite: sites whose kernel reads packed element offsets (FlashInfer's cuDNN prefill) get them built in the graph.
 
-Invariant: applies only to sites of ops that lower to packed offsets (``VarlenOp.lowers_to_packed``:
+Invariant: applies only to sites of ops that lower to Q/K/O|V offsets (``VarlenOp.lowers_to_qkv_offsets``:
 ``vgraph::varlen_attention``) whose ``backend`` is a packed backend (others are left alone). The packed buffer is
 computed from the site's token ``cu_seqlens`` inside the graph, with the real token strides: ``[cu * heads * head_dim | cu * v.stride(0)]``. Since the runtime pads ``cu_seqlens`` by repeating
 its last offset, each half is padded by its own last value by construction; no packed buffer is ever padded as one
@@ -12,7 +12,7 @@ Before/After::
 
     contiguous = q.contiguous();  contiguous_1 = k.contiguous()
     mul = cu * 32;  mul_1 = cu * 96;  cat = torch.cat([mul, mul_1])
-    packed_varlen_attention.default(contiguous, contiguous_1, v, cat, 64, None, 'flashinfer')
+    qkv_offsets_varlen_attention.default(contiguous, contiguous_1, v, cat, 64, None, 'flashinfer')
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 
 
 def _packed_backend(site: Site) -> str | None:
-    if not site.op.lowers_to_packed:
+    if not site.op.lowers_to_qkv_offsets:
         return None
     name = site.argument(site.op.backend)
-    return name if name in registry.BACKENDS and registry.BACKENDS[name].packed else None
+    return name if name in registry.BACKENDS and registry.BACKENDS[name].qkv_offsets else None
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -55,7 +55,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         row, v_row = fake_q.shape[1] * fake_q.shape[2], fake_v.stride(0)
         if not isinstance(row, int) or not isinstance(v_row, int):
             raise ValueError(
-                f"{node.format_node()}: packed offsets need static head and row widths (got {row}, {v_row})"
+                f"{node.format_node()}: Q/K/O|V offsets need static head and row widths (got {row}, {v_row})"
             )
         with graph.inserting_before(node):
             q_rows = graph.call_method("contiguous", (q,))
@@ -73,5 +73,5 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         lowered += 1
     counters.nodes_rewritten += lowered
     if lowered:
-        log.debug("lowered %d varlen sites to packed offsets", lowered)
+        log.debug("lowered %d varlen sites to Q/K/O|V offsets", lowered)
     return gm

@@ -4,7 +4,7 @@ transformers' ``AutoImageProcessor`` table: no torchvision needed).
 
 A family's model is the first ``*ForConditionalGeneration`` class of its modeling module; its config class is the
 one that model declares. ``tiny`` shrinks every sub-config: the vision config (and any other, e.g. audio) by
-``hf_families.TINY_SIZES``, the text config by ``TINY_TEXT``; a sub-config field equal to the released text width
+``vision_utils_towers.TINY_SIZES``, the text config by ``TINY_TEXT``; a sub-config field equal to the released text width
 (an adapter's or merger's output, ``out_hidden_size``) follows the tiny text width, since it feeds the language
 model. A text config whose rope parameters are empty gets the default rope for each of its layer types.
 
@@ -22,7 +22,7 @@ import random
 import numpy as np
 import torch
 
-from vgraph_compile.models.hf_families import TINY_SIZES, declared_config, family, shrunk
+from vgraph_compile.sample_models.vision_utils_towers import TINY_SIZES, declared_config, family, shrunk
 
 __all__ = ["RELEASED_TEXT_FIELDS", "TINY_TEXT", "build_vlm", "image_processor", "image_inputs"]
 

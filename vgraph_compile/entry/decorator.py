@@ -9,52 +9,31 @@ dynamo again. A call with autograd enabled on trainable parameters or inputs run
 The returned callable exposes ``.vgraph`` (the backend, with its runtimes and their stats).
 
 Warm start: the first call first looks for a build plan saved by an earlier process for the same encoder, config
-and call structure (``vgraph_compile.warm_start``) and, with one, serves from it with no trace and no compile.
+and call structure (``vgraph_compile.entry.warm_start``) and, with one, serves from it with no trace and no compile.
 After a first trace the plan is saved for later processes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 from typing import Any, Callable
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
 from vgraph_compile.analyze import ANALYSES, Analyses
-from vgraph_compile.compile_backend import VGraphBackend, cudnn_attention
+from vgraph_compile.entry.backend import VGraphBackend
+from vgraph_compile.entry.trace_options import trace_options
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.runtime import VGraphRuntime
-from vgraph_compile import warm_start
+from vgraph_compile.entry import warm_start
 
-__all__ = ["encoder", "trace_options", "CompiledEncoderFunction"]
+__all__ = ["encoder", "CompiledEncoderFunction"]
 
 log = logging.getLogger(__name__)
-
-
-def trace_options(args: tuple = ()) -> contextlib.ExitStack:
-    """Settings for a trace that serves every size, whatever the first call was.
-
-    Dim 0 of every tensor argument is its packed dim and stays dynamic; trailing dims (feature widths) are
-    marked static. No duck sizing: sizes equal by chance in the first call (as many windows as frames, a token
-    count equal to a width) must not be tied together; lengths that are equal by construction are related by
-    the graph itself (an elementwise op, or ``torch._check(a.shape[0] == b.shape[0])``). Size-oblivious backed
-    sizes: a first call with one token or one segment must not specialize that size to 1. Specialized floats:
-    module constants (eps, scales) stay constants rather than becoming graph inputs.
-    """
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.dim() > 1:
-            torch._dynamo.mark_static(arg, tuple(range(1, arg.dim())))
-    stack = contextlib.ExitStack()
-    stack.enter_context(fx_config.patch(use_duck_shape=False, backed_size_oblivious=True))
-    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
-    stack.enter_context(cudnn_attention(False))
-    return stack
 
 
 class _HotPath:

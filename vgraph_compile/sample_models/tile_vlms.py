@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from vgraph_compile.models.qwen_vlms import Request, resized
+from vgraph_compile.sample_models.qwen_vlms import Request, resized
 
 __all__ = ["internvl", "tile_processor", "tile_inputs"]
 

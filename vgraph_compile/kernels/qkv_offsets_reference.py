@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_offsets: torch.Tensor, max_seqlen: int, scale
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_offsets: torch.Tensor, max_seqlen: int, scale
 ) -> torch.Tensor:
-    half = packed_offsets.shape[0] // 2
-    qko, v_offsets = packed_offsets[:half].tolist(), packed_offsets[half:].tolist()
+    half = qkv_offsets.shape[0] // 2
+    qko, v_offsets = qkv_offsets[:half].tolist(), qkv_offsets[half:].tolist()
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     row = q.stride(0)
     for index in range(half - 1):
@@ -24,7 +24,7 @@ def attention(
         v_start = v_offsets[index] // v.stride(0)
         if length < 0 or start + length > q.shape[0] or v_start + length > v.shape[0]:
             raise ValueError(
-                f"packed offsets of sequence {index} point outside q/k/v ({qko[index]}..{qko[index + 1]}, v at "
+                f"Q/K/O|V offsets of sequence {index} point outside q/k/v ({qko[index]}..{qko[index + 1]}, v at "
                 f"{v_offsets[index]}): the kernel would read out of bounds; pad each half by its own last value"
             )
         if length == 0:

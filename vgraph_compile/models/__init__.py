@@ -1,1 +1,0 @@
-"""Reference encoders used by the demo, the tests and the benchmarks."""
