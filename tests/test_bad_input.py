@@ -1,5 +1,5 @@
 """The bad-input matrix: each case raises a ValueError that names the argument and the fix, before any graph runs
-(no bucket filled, no replay, no eager fallback). README.md's "Bad input" table lists the same cases."""
+(no bucket filled, no replay, no eager fallback). docs/encoders.md's "Bad input" table lists the same cases."""
 
 import pytest
 import torch

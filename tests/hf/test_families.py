@@ -29,7 +29,7 @@ REFUSED = {
     "minicpmv4_7": r"its forward takes neither a grid",
     "step3p7": r"produces a data-dependent value",
 }
-"""Families refused today (README table), each with the reason its ValueError must name."""
+"""Families refused today (docs/families.md), each with the reason its ValueError must name."""
 IMAGES_ONLY = {"kimi_k25", "glm4v", "glm4v_moe", "glm_image"}
 """Families served on images whose stock tower fails on (or does not scale with) more than one frame (the GLM-4.1V
 towers index the grid per frame: their models pass videos one frame per grid row)."""
