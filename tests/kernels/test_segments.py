@@ -33,10 +33,12 @@ def poisoned_calls(draw):
     return lengths, draw(st.integers(0, 9)), poisoned, draw(st.integers(0, 2)), row, value
 
 
-def check_isolation(name, call, dtype, device, reference_tolerance):
+def check_isolation(name, call, dtype, device, reference_tolerance, head_dim=8):
     """Other segments' rows of the poisoned run are finite and equal the clean run and the float64 reference."""
     lengths, padding, poisoned, tensor, row, value = call
-    clean, dirty, cu = isolation_case(lengths, padding, poisoned, tensor, row, value, dtype=dtype, device=device)
+    clean, dirty, cu = isolation_case(
+        lengths, padding, poisoned, tensor, row, value, head_dim=head_dim, dtype=dtype, device=device
+    )
     expected = run_backend(name, *clean, cu, max(lengths))
     out = run_backend(name, *dirty, cu, max(lengths))
     others = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
