@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("--module", help="path:attr of a factory returning (encoder, example_args)")
     command = commands.add_parser("precompile", help="compile an encoder ahead of time and save the artifact")
     command.add_argument("factory", help="a model directory, or module:factory returning (encoder, example_args)")
-    _add_vgraph_options(command)
+    add_vgraph_options(command)
     command.add_argument("--device", default="auto", help="a model directory's device, as vgraph serve's --device")
     command.add_argument("--dtype", default="auto", help="a model directory's dtype, as vgraph serve's --dtype")
     command = commands.add_parser(
@@ -177,12 +177,12 @@ def main(argv: list[str] | None = None) -> None:
         allow_abbrev=False,
     )
     command.add_argument("model_dir", help="the model to load at start-up: a local directory or a hub id")
-    _add_vgraph_options(command)
+    add_vgraph_options(command)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
-        _log_to_stderr()
+        log_to_stderr()
         return serve(args, rest)
     try:
         print(explain(args) if args.command == "explain" else precompile(args))
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"vgraph {args.command}: {error}")
 
 
-def _add_vgraph_options(command: argparse.ArgumentParser) -> None:
+def add_vgraph_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--options", default="{}", help="vgraph options as JSON (VGraphConfig fields...)")
     command.add_argument("--budgets", type=int, nargs="+", help="token budgets of a packed tower (patches)")
     command.add_argument("--max-items", type=int, help="images (or tiles) one graph call holds")
@@ -198,7 +198,7 @@ def _add_vgraph_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--artifact-dir", help="saved plans and artifacts (default: VGRAPH_ARTIFACT_DIR, else inductor's cache)")
 
 
-def _log_to_stderr() -> None:
+def log_to_stderr() -> None:
     """vgraph's INFO lines (the start-up time, which towers are served) on stderr, as transformers' are."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
@@ -211,7 +211,7 @@ def serve(args: argparse.Namespace, rest: list[str]) -> None:
     """``transformers serve MODEL_DIR REST`` with vgraph's tower in every VLM it loads."""
     from vgraph_compile import server
 
-    server.serve([args.model_dir, *rest], vgraph_options(args), started=STARTED)
+    server.serve([args.model_dir, *rest], server.manager_class(vgraph_options(args), started=STARTED))
 
 
 

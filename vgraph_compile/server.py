@@ -178,10 +178,10 @@ def _bound(module, name: str, value: Any):
         setattr(module, name, previous)
 
 
-def serve(arguments: list[str], options: dict[str, Any], started: float | None = None) -> Any:
+def serve(arguments: list[str], manager: type) -> Any:
     """Run ``transformers serve`` with ``arguments`` (its own command line: the model directory first, then its
-    options) and every VLM it loads served by vgraph with ``options``; returns the ``Serve`` object when it
-    stops (at once with ``--non-blocking``)."""
+    options) and ``manager`` (``manager_class(options)``, or any ``ModelManager`` subclass) loading its models;
+    returns the ``Serve`` object when it stops (at once with ``--non-blocking``)."""
     import typer
     from transformers.cli.serving import model_manager
 
@@ -189,5 +189,5 @@ def serve(arguments: list[str], options: dict[str, Any], started: float | None =
     app = typer.Typer(add_completion=False)
     app.command()(serve_class)
     command = typer.main.get_command(app)
-    with _bound(model_manager, "ModelManager", manager_class(options, started)):
+    with _bound(model_manager, "ModelManager", manager):
         return command.main(args=arguments, prog_name="vgraph serve", standalone_mode=False)

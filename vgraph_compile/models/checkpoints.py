@@ -112,16 +112,16 @@ def _tokenizer(config, layout: TokenLayout):
     )
 
 
-def _model_and_image_processor(name: str, tiny: bool, dtype: torch.dtype, seed: int):
+def _model_and_image_processor(name: str, tiny: bool, device: str, dtype: torch.dtype, seed: int):
     from vgraph_compile.models import family_vlms, qwen_vlms, tile_vlms
 
     if name in QWEN:
-        model = qwen_vlms.qwen_vlm(name, tiny=tiny, dtype=dtype, seed=seed)
+        model = qwen_vlms.qwen_vlm(name, tiny=tiny, device=device, dtype=dtype, seed=seed)
         return model, qwen_vlms.image_processor(model.config, max_patches=TINY_MAX_PATCHES if tiny else None)
     if name == "internvl3-1b":
-        model = tile_vlms.internvl(tiny=tiny, dtype=dtype, seed=seed)
+        model = tile_vlms.internvl(tiny=tiny, device=device, dtype=dtype, seed=seed)
         return model, tile_vlms.tile_processor(model)
-    model = family_vlms.build_vlm(name, tiny=tiny, dtype=dtype, seed=seed)
+    model = family_vlms.build_vlm(name, tiny=tiny, device=device, dtype=dtype, seed=seed)
     return model, family_vlms.image_processor(name, model, max_patches=TINY_MAX_PATCHES if tiny else None)
 
 
@@ -142,15 +142,20 @@ def _video_processor(model_type: str, image_processor):
 
 
 def save_checkpoint(
-    name: str, directory: str | Path, tiny: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0
+    name: str,
+    directory: str | Path,
+    tiny: bool = True,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> Path:
-    """Save ``name``'s model (random weights, ``dtype``; tiny: see ``TINY_TEXT_STD``) and processor into
-    ``directory``; returns it."""
+    """Save ``name``'s model (random weights drawn on ``device``, ``dtype``; tiny: see ``TINY_TEXT_STD``) and
+    processor into ``directory``; returns it."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    model, image_processor = _model_and_image_processor(name, tiny, dtype, seed)
+    model, image_processor = _model_and_image_processor(name, tiny, device, dtype, seed)
     if tiny:
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device).manual_seed(seed)
         for parameter in model.get_decoder().parameters():
             if parameter.dim() > 1:
                 parameter.data.normal_(0.0, TINY_TEXT_STD, generator=generator)
