@@ -14,15 +14,22 @@ answers (their token words) are compared request by request.
 The server processes run this file with ``--serve``: transformers' ``Serve`` with ``ModelManager`` (stock) or
 ``vgraph_compile.server.manager_class`` (vgraph), each extended with the tower clock only.
 
-    python benchmarks/serve_load.py --model qwen2.5-vl       # ~6 min on an H100: checkpoint, stock, precompile, vgraph
+    python benchmarks/serve_load.py --model qwen2.5-vl       # ~5 min on an H100: checkpoint, stock, precompile, vgraph
     python benchmarks/serve_load.py --model internvl3-1b
+    python benchmarks/serve_load.py --merge a.json b.json --json benchmarks/results/serve_load_h100.json  # table, plot
     python benchmarks/serve_load.py --tiny --model paddleocr_vl --clients 1 4 --requests 4   # CPU smoke run
+
+The JSON (``--json``, default ``benchmarks/results/serve_load_<device>.json``) holds one entry per model, written
+after each system; the plot (next to it, ``.png``) shows TTFT p50 and p99 against concurrency, one panel a model.
 
 On a machine with transformers < 5.23 or without FastAPI/uvicorn/openai and no network, carry the wheels of
 ``scripts/serve_wheels.txt`` (``pip download --only-binary=:all: --no-deps --python-version 3.12 --platform
 manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -r scripts/serve_wheels.txt -d .whl``, 20 MB) and put them
-first on the path: ``pip install --no-index --no-deps --target /tmp/serve_site .whl/*.whl`` and
-``PYTHONPATH=/tmp/serve_site:$PWD``.
+first on the path (the lent GPU machines have transformers 5.17, no FastAPI, uvicorn, openai or pydantic):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/serve_site .whl/*.whl && \
+    PYTHONPATH=/tmp/serve_site:$PWD python3 benchmarks/serve_load.py --model qwen2.5-vl --work /tmp/serve_load \
+        --json $OUT/serve_load_qwen2.5-vl.json
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import base64
 import concurrent.futures
 import io
 import json
-import os
 import re
 import signal
 import socket
@@ -40,7 +46,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -245,11 +250,12 @@ def run_system(system, model_dir, serve_args, vgraph_args, requests, args, work)
     finally:
         log = server.stop()
     logged = re.search(r"ready, start-up ([\d.]+) s", log)
+    buckets = re.search(r"vision tower buckets:\n(.*?)\n(?:INFO|\[transformers\])", log, re.S)
     return {
         "startup_s": server.startup_s,
         "startup_logged_s": float(logged.group(1)) if logged else None,
         "levels": levels,
-        "buckets": log[log.index("vision tower buckets:") :].split("\n", 1)[1] if "vision tower buckets:" in log else None,
+        "buckets": buckets.group(1) if buckets else None,
     }
 
 
@@ -270,7 +276,8 @@ def device_tag(device: str) -> str:
     return next((tag for tag in ("h200", "h100", "b200", "a100") if tag in name), re.sub(r"\W+", "_", name))
 
 
-def run(args) -> dict[str, Any]:
+def run(args, save) -> dict[str, Any]:
+    """The checkpoint, then each system in turn; ``save(report)`` after each (a run cut short keeps the first)."""
     import transformers
 
     from vgraph_compile.models.checkpoints import save_checkpoint
@@ -285,7 +292,8 @@ def run(args) -> dict[str, Any]:
             torch.cuda.empty_cache()
     saved_s = round(time.perf_counter() - start, 1)
     serve_args = ["--device", args.device, "--dtype", dtype]
-    vgraph_args = [*(TINY_OPTIONS if args.tiny else VGRAPH_OPTIONS.get(args.model, [])), "--artifact-dir", str(work / "artifacts")]
+    options = TINY_OPTIONS if args.tiny else VGRAPH_OPTIONS.get(args.model, [])
+    vgraph_args = [*options, "--artifact-dir", str(work / "artifacts")]
     requests = payloads(args.model, max(args.requests, 4 * max(args.clients)), args.seed, args.tiny)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -298,23 +306,38 @@ def run(args) -> dict[str, Any]:
             "new_tokens": args.new_tokens,
             "images": sum(1 for r in requests for part in r if part["type"] == "image_url"),
         },
-        "vgraph_options": vgraph_args[:-2],
+        "vgraph_options": options,
         "checkpoint_saved_s": saved_s,
         "systems": {},
     }
     report["systems"]["hf"] = run_system("stock", str(model_dir), serve_args, [], requests, args, work)
+    save(report)
     precompile_s = precompile(str(model_dir), serve_args, vgraph_args, work)
     report["systems"]["vgraph"] = run_system("vgraph", str(model_dir), serve_args, vgraph_args, requests, args, work)
     report["systems"]["vgraph"]["precompile_s"] = precompile_s
-    hf, vgraph = report["systems"]["hf"]["levels"], report["systems"]["vgraph"]["levels"]
-    report["answers_equal"] = {
-        level: f"{sum(a == b for a, b in zip(hf[level]['answers'], vgraph[level]['answers']))}/{hf[level]['requests']}"
-        for level in hf
-    }
-    report["ttft_p50_ratio"] = {level: round(vgraph[level]["ttft_p50_ms"] / hf[level]["ttft_p50_ms"], 3) for level in hf}
-    report["ttft_p99_ratio"] = {level: round(vgraph[level]["ttft_p99_ms"] / hf[level]["ttft_p99_ms"], 3) for level in hf}
-    report["startup_extra_s"] = round(report["systems"]["vgraph"]["startup_s"] - report["systems"]["hf"]["startup_s"], 1)
+    report.update(compare(report["systems"]["hf"], report["systems"]["vgraph"]))
     return report
+
+
+def compare(hf: dict[str, Any], vgraph: dict[str, Any]) -> dict[str, Any]:
+    """Per level: answers equal to the stock server's (whole answers, first tokens), the TTFT ratios; the extra
+    start-up."""
+
+    def count(same) -> dict[str, str]:
+        levels = hf["levels"]
+        pairs = {level: zip(levels[level]["answers"], vgraph["levels"][level]["answers"]) for level in levels}
+        return {level: f"{sum(same(a, b) for a, b in pairs[level])}/{levels[level]['requests']}" for level in levels}
+
+    def ratio(key: str) -> dict[str, float]:
+        return {level: round(vgraph["levels"][level][key] / row[key], 3) for level, row in hf["levels"].items()}
+
+    return {
+        "answers_equal": count(lambda a, b: a == b),
+        "first_tokens_equal": count(lambda a, b: a.split()[:1] == b.split()[:1]),
+        "ttft_p50_ratio": ratio("ttft_p50_ms"),
+        "ttft_p99_ratio": ratio("ttft_p99_ms"),
+        "startup_extra_s": round(vgraph["startup_s"] - hf["startup_s"], 1),
+    }
 
 
 def table(models: dict[str, Any]) -> str:
@@ -324,6 +347,8 @@ def table(models: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for model, report in models.items():
+        if "vgraph" not in report["systems"]:  # a run cut short after the stock server
+            continue
         hf, vgraph = report["systems"]["hf"]["levels"], report["systems"]["vgraph"]["levels"]
         for level in hf:
             cells = [
@@ -346,6 +371,8 @@ def plot(models: dict[str, Any], path: Path) -> bool:
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for axis, (model, report) in zip(axes[0], models.items()):
         for name, style in (("hf", "tab:gray"), ("vgraph", "tab:blue")):
+            if name not in report["systems"]:
+                continue
             levels = report["systems"][name]["levels"]
             clients = [int(level) for level in levels]
             for key, line in (("ttft_p50_ms", "-"), ("ttft_p99_ms", "--")):
@@ -370,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         serve_main(system, clock_path, rest[:split], rest[split + 1 :])
         return {}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-vl", help="qwen2.5-vl, internvl3-1b (released), paddleocr_vl (tiny)")
+    parser.add_argument("--model", default="qwen2.5-vl", help="qwen2.5-vl, internvl3-1b; paddleocr_vl with --tiny")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (CPU smoke run)")
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -379,17 +406,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", help="checkpoint, artifacts and server logs (default: a new temporary directory)")
     parser.add_argument("--json", help="default: benchmarks/results/serve_load_<device>.json (this model's entry)")
+    parser.add_argument("--merge", nargs="+", help="only merge these runs' JSON files into --json (table, plot)")
     args = parser.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    report = run(args)
     path = Path(args.json or RESULTS / f"serve_load_{device_tag(args.device)}.json")
     models = json.loads(path.read_text()) if path.exists() else {}
-    models[args.model] = report
+    if args.merge:
+        for other in args.merge:
+            models.update(json.loads(Path(other).read_text()))
+        report = {}
+    else:
+        def save(report: dict[str, Any]) -> None:
+            models[args.model] = report
+            path.write_text(json.dumps(models, indent=1))
+
+        report = run(args, save)
+        models[args.model] = report
+        print(json.dumps({k: v for k, v in report.items() if k != "systems"}, indent=1))
+        for name, system in report["systems"].items():
+            print(f"{name}: start-up {system['startup_s']} s" + (f"\n{system['buckets']}" if system["buckets"] else ""))
     path.write_text(json.dumps(models, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if k != "systems"}, indent=1))
     print(table(models))
-    for name, system in report["systems"].items():
-        print(f"{name}: start-up {system['startup_s']} s" + (f"\n{system['buckets']}" if system["buckets"] else ""))
     if not plot(models, path.with_suffix(".png")):
         print("no plot: matplotlib is not installed")
     return report

@@ -24,7 +24,8 @@ pytest.importorskip("uvicorn")
 from vgraph_compile.cli import main  # noqa: E402
 from vgraph_compile.models.checkpoints import save_checkpoint  # noqa: E402
 
-OPTIONS = ["--budgets", "128", "512", "--max-items", "4", "--options", '{"compiler": "eager", "attention_backend": "sdpa"}']
+OPTIONS = ["--budgets", "128", "512", "--max-items", "4"]
+OPTIONS += ["--options", '{"compiler": "eager", "attention_backend": "sdpa"}']
 STOCK = "import typer; from transformers.cli.serve import Serve; typer.run(Serve)"
 REQUESTS = 4
 

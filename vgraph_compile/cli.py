@@ -81,19 +81,19 @@ def precompile_model(args: argparse.Namespace) -> str:
     manager = manager_class(options)(device=args.device, dtype=args.dtype, model_timeout=-1)
     manager.load_model_and_processor(manager.process_model_name(args.factory))
     if not all(manager.vgraph_served.values()):
-        raise SystemExit(f"vgraph precompile: {args.factory}: vgraph does not serve its tower (see the warning above)")
+        raise SystemExit(f"vgraph precompile: {args.factory}: vgraph does not serve its tower (see the warning)")
     moved = {name: value - before[name] for name, value in counters.snapshot().items()}
     if moved["plans_saved"]:
-        return f"{args.factory}: saved (build plans and compiled tower: vgraph serve with these options compiles nothing)"
+        return f"{args.factory}: saved (build plans and compiled tower: vgraph serve with these options compiles none)"
     if moved["plans_loaded"]:
         return f"{args.factory}: already saved (build plans and compiled tower)"
     raise SystemExit("vgraph precompile: nothing was saved (see the warnings above)")
 
 
 def precompile(args: argparse.Namespace) -> str:
-    """A model directory: ``precompile_model``. Else compile ``module:factory``'s encoder with the options its server uses (the artifacts are keyed on them and
-    on the first call's structure, so serve with the same options and inputs of the same kind through
-    ``vgraph_compile.encoder``) and save the compiled artifact and build plan."""
+    """A model directory: ``precompile_model``. Else compile ``module:factory``'s encoder with the options its
+    server uses (the artifacts are keyed on them and on the first call's structure, so serve with the same options
+    and inputs of the same kind through ``vgraph_compile.encoder``) and save the compiled artifact and build plan."""
     import torch
 
     import vgraph_compile
@@ -191,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def add_vgraph_options(command: argparse.ArgumentParser) -> None:
+    """The options ``vgraph_options`` reads (``vgraph precompile`` and ``vgraph serve`` take the same)."""
     command.add_argument("--options", default="{}", help="vgraph options as JSON (VGraphConfig fields...)")
     command.add_argument("--budgets", type=int, nargs="+", help="token budgets of a packed tower (patches)")
     command.add_argument("--max-items", type=int, help="images (or tiles) one graph call holds")
     command.add_argument("--max-frames", type=int, help="temporal patches one graph call of a packed tower holds")
-    command.add_argument("--artifact-dir", help="saved plans and artifacts (default: VGRAPH_ARTIFACT_DIR, else inductor's cache)")
+    command.add_argument(
+        "--artifact-dir", help="saved plans and artifacts (default: VGRAPH_ARTIFACT_DIR, else inductor's cache)"
+    )
 
 
 def log_to_stderr() -> None:

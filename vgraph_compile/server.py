@@ -2,14 +2,14 @@
 every VLM it loads served by ``compile_vlm``.
 
 The hook is transformers' public ``ModelManager`` (``transformers.cli.serving``): handlers get their models from
-its ``load_model_and_processor``, which ``VGraphModelManager`` extends (``manager_class``). When a model is loaded (at start-up for the
+its ``load_model_and_processor``, which ``manager_class`` extends. When a model is loaded (at start-up for the
 model the command names), its vision tower is replaced by vgraph's and warmed up before the model is handed to any
 request: every bucket captured (or loaded from the plans ``vgraph precompile`` saved), then one generated token for a
 synthetic image through the server's own processor, so the first request meets no trace, compile or capture. A model
 vgraph cannot serve (no vision tower, a tower it refuses, a warm-up failure) is served stock, with one warning.
 
-``Serve`` (the ``transformers serve`` command) builds its ``ModelManager`` itself; ``serve`` runs it with
-that class bound in that name while it builds, and parses the command line with Serve's own options.
+``Serve`` (the ``transformers serve`` command) builds its ``ModelManager`` itself; ``serve`` runs it with the
+extended class bound in that name while it builds, and parses the command line with Serve's own options.
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ def hook_point() -> tuple[type, type]:
     return Serve, manager
 
 
-def _synthetic_request(processor) -> list[dict]:
+def _synthetic_request() -> list[dict]:
     """One user turn: a seeded 224 x 224 noise image and a word."""
     import numpy as np
     from PIL import Image
 
     pixels = np.random.default_rng(0).integers(0, 256, size=(224, 224, 3), dtype=np.uint8)
-    return [{"role": "user", "content": [{"type": "image", "image": Image.fromarray(pixels)}, {"type": "text", "text": "."}]}]
+    content = [{"type": "image", "image": Image.fromarray(pixels)}, {"type": "text", "text": "."}]
+    return [{"role": "user", "content": content}]
 
 
 def warm_up(model: torch.nn.Module, processor) -> None:
@@ -85,7 +86,7 @@ def warm_up(model: torch.nn.Module, processor) -> None:
             tower.warmup()
         bar.update()
         inputs = processor.apply_chat_template(
-            _synthetic_request(processor), add_generation_prompt=True, tokenize=True, return_dict=True,
+            _synthetic_request(), add_generation_prompt=True, tokenize=True, return_dict=True,
             return_tensors="pt",
         ).to(model.device)  # fmt: skip
         model.generate(**inputs, max_new_tokens=1, do_sample=False)
