@@ -127,8 +127,10 @@ def _model_and_image_processor(name: str, tiny: bool, device: str, dtype: torch.
 
 def _video_processor(model_type: str, image_processor):
     """The model type's video processor at the image processor's patch sizes; a ValueError without torchvision."""
-    import transformers
-    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.video_processing_auto import (
+        VIDEO_PROCESSOR_MAPPING_NAMES,
+        video_processor_class_from_name,
+    )
     from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
@@ -136,7 +138,8 @@ def _video_processor(model_type: str, image_processor):
             f"{model_type}'s processor holds a video processor, which needs torchvision (pip install torchvision); "
             "without it, save a model whose processor takes none (paddleocr_vl)"
         )
-    processor_class = getattr(transformers, VIDEO_PROCESSOR_MAPPING_NAMES[model_type])
+    names = VIDEO_PROCESSOR_MAPPING_NAMES[model_type]  # by backend: {"torchvision": "Qwen2VLVideoProcessor"}
+    processor_class = video_processor_class_from_name(names["torchvision"] if isinstance(names, dict) else names)
     sizes = ("patch_size", "temporal_patch_size", "merge_size")
     return processor_class(**{key: getattr(image_processor, key) for key in sizes if hasattr(image_processor, key)})
 
