@@ -139,3 +139,39 @@ def test_precompiled_server_answers_concurrent_streams_as_the_stock_server(model
     assert "served by vgraph" in log and "served stock" not in log
     assert "serving from the build plan" in log and "discovered" not in log  # no trace
     assert _bucket_hits(log) == 2 + REQUESTS, log
+
+
+def test_a_model_vgraph_cannot_serve_is_served_stock_with_one_warning(caplog):
+    """A model with no vision tower (a text model) is left as it was, with one warning naming why."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vgraph_compile.server import serve_model
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with caplog.at_level("WARNING", logger="vgraph_compile"):
+        assert not serve_model(model, None, {})
+    modules = {type(module).__name__ for module in model.modules()}
+    assert not any(name.startswith("Compiled") for name in modules)
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "Qwen2ForCausalLM is served stock: compile_vlm found no vision tower" in warnings[0]
+
+
+def test_a_transformers_without_the_hook_point_is_refused_naming_its_version(monkeypatch):
+    """A transformers whose ModelManager hands out no models through load_model_and_processor: vgraph serve stops
+    with a message naming the installed version and what is missing."""
+    import transformers
+    from transformers.cli.serving import model_manager
+
+    from vgraph_compile.server import hook_point
+
+    monkeypatch.setattr(model_manager, "ModelManager", type("ModelManager", (), {}))
+    with pytest.raises(SystemExit, match=f"transformers {transformers.__version__} changed the hook point .*"
+                       "no ModelManager.load_model_and_processor"):  # fmt: skip
+        hook_point()
