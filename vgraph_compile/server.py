@@ -76,12 +76,13 @@ def _synthetic_request() -> list[dict]:
 
 def warm_up(model: torch.nn.Module, processor) -> None:
     """Capture every bucket of the model's vgraph tower (a packed tower's ``warmup``), then generate one token for a
-    synthetic image through ``processor``, as a request would (a fixed-tile tower traces and captures here)."""
+    synthetic image through ``processor``, as a request would (a fixed-tile tower traces and captures here), under
+    ``no_grad`` as transformers' ``generate`` runs."""
     from tqdm.auto import tqdm
 
     owner, attribute = find_vision_tower(model)
     tower = getattr(owner, attribute)
-    with tqdm(total=2, desc="vgraph: warming up", unit="step") as bar, torch.inference_mode():
+    with tqdm(total=2, desc="vgraph: warming up", unit="step") as bar, torch.no_grad():
         if hasattr(tower, "warmup"):
             tower.warmup()
         bar.update()
