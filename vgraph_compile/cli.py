@@ -1,11 +1,15 @@
 """``vgraph explain``: the bucket x bound table of a geometry and its sympy derivation; with ``--module``, also
-the input roles the backend discovers in an encoder. ``vgraph precompile``: compile an encoder ahead of time and
-save the compiled artifact and build plan (``compile/artifacts``, ``warm_start``) that a later process, or a
-container image, starts from with no trace and no compile.
+the input roles the backend discovers in an encoder. ``vgraph precompile``: compile an encoder (``module:factory``)
+or the vision tower of a model directory ahead of time and save the compiled artifact and build plan
+(``compile/artifacts``, ``warm_start``) that a later process, or a container image, starts from with no trace and
+no compile. ``vgraph serve``: transformers' OpenAI-compatible server with vgraph serving every VLM's tower
+(``vgraph_compile.hf.server``); options after the model directory that are not vgraph's go to ``transformers serve``.
 
     vgraph explain --patch-size 14 --window-size 112 --budgets 1024 4096 16384 --max-items 8
     vgraph explain ... --module vgraph_compile.sample_models.explain_factories:windowed_vit
     vgraph precompile vgraph_compile.sample_models.explain_factories:cls_vit --options '{"token_budgets": [64, 128]}' --artifact-dir DIR
+    vgraph precompile MODEL_DIR --artifact-dir DIR --device cuda
+    vgraph serve MODEL_DIR --artifact-dir DIR --port 8000 --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -13,11 +17,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
+import os
 import sys
+import time
 
 from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["main", "explain"]
+
+STARTED = time.perf_counter()
+"""When this module was imported: ``vgraph serve``'s start-up time counts from it."""
 
 
 def bound_table(geometry: VisionGeometry, budgets, max_items: int, max_frames: int | None) -> str:
@@ -49,10 +59,41 @@ def _factory(spec: str):
     return getattr(importlib.import_module(module_name), attribute)()
 
 
+def vgraph_options(args: argparse.Namespace) -> dict:
+    """``compile_vlm`` options from the command line: ``--options`` JSON, then the named flags over it."""
+    options = json.loads(args.options)
+    named = {
+        "token_budgets": args.budgets, "max_items": args.max_items, "max_frames": args.max_frames,
+        "artifact_dir": args.artifact_dir,
+    }  # fmt: skip
+    return options | {name: value for name, value in named.items() if value is not None}
+
+
+def precompile_model(args: argparse.Namespace) -> str:
+    """Load the model directory as ``vgraph serve`` does (same device, dtype and options), serve its tower with
+    vgraph and warm it up: the plans and compiled tower are saved where ``vgraph serve`` with the same options
+    finds them."""
+    from vgraph_compile.counters import counters
+    from vgraph_compile.hf.server import manager_class
+
+    options = vgraph_options(args)
+    before = counters.snapshot()
+    manager = manager_class(options)(device=args.device, dtype=args.dtype, model_timeout=-1)
+    manager.load_model_and_processor(manager.process_model_name(args.factory))
+    if not all(manager.vgraph_served.values()):
+        raise SystemExit(f"vgraph precompile: {args.factory}: vgraph does not serve its tower (see the warning)")
+    moved = {name: value - before[name] for name, value in counters.snapshot().items()}
+    if moved["plans_saved"]:
+        return f"{args.factory}: saved (build plans and compiled tower: vgraph serve with these options compiles none)"
+    if moved["plans_loaded"]:
+        return f"{args.factory}: already saved (build plans and compiled tower)"
+    raise SystemExit("vgraph precompile: nothing was saved (see the warnings above)")
+
+
 def precompile(args: argparse.Namespace) -> str:
-    """Compile ``module:factory``'s encoder with the options its server uses (the artifacts are keyed on them and
-    on the first call's structure, so serve with the same options and inputs of the same kind through
-    ``vgraph_compile.encoder``) and save the compiled artifact and build plan."""
+    """A model directory: ``precompile_model``. Else compile ``module:factory``'s encoder with the options its
+    server uses (the artifacts are keyed on them and on the first call's structure, so serve with the same options
+    and inputs of the same kind through ``vgraph_compile.encoder``) and save the compiled artifact and build plan."""
     import torch
 
     import vgraph_compile
@@ -61,9 +102,9 @@ def precompile(args: argparse.Namespace) -> str:
 
     if not artifacts.available():
         raise SystemExit(f"vgraph precompile: torch {torch.__version__} has no torch._inductor.standalone_compile")
-    options = json.loads(args.options)
-    if args.artifact_dir is not None:
-        options["artifact_dir"] = args.artifact_dir
+    if os.path.isdir(args.factory):
+        return precompile_model(args)
+    options = vgraph_options(args)
     encoder, example_args = _factory(args.factory)
     before = counters.snapshot()
     compiled = vgraph_compile.encoder(encoder, **options)
@@ -125,14 +166,56 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("--max-frames", type=int, default=None)
     command.add_argument("--module", help="path:attr of a factory returning (encoder, example_args)")
     command = commands.add_parser("precompile", help="compile an encoder ahead of time and save the artifact")
-    command.add_argument("factory", help="module:factory returning (encoder, example_args)")
-    command.add_argument("--options", default="{}", help="vgraph options as JSON, the same as the server's")
-    command.add_argument("--artifact-dir", help="where to save (default: VGRAPH_ARTIFACT_DIR, else inductor's cache)")
-    args = parser.parse_args(argv)
+    command.add_argument("factory", help="a model directory, or module:factory returning (encoder, example_args)")
+    add_vgraph_options(command)
+    command.add_argument("--device", default="auto", help="a model directory's device, as vgraph serve's --device")
+    command.add_argument("--dtype", default="auto", help="a model directory's dtype, as vgraph serve's --dtype")
+    command = commands.add_parser(
+        "serve",
+        help="transformers' OpenAI-compatible server with vgraph serving every VLM's vision tower",
+        description="Options not listed here go to transformers serve (see transformers serve --help).",
+        allow_abbrev=False,
+    )
+    command.add_argument("model_dir", help="the model to load at start-up: a local directory or a hub id")
+    add_vgraph_options(command)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "serve":
+        log_to_stderr()
+        return serve(args, rest)
     try:
         print(explain(args) if args.command == "explain" else precompile(args))
     except ValueError as error:
         sys.exit(f"vgraph {args.command}: {error}")
+
+
+def add_vgraph_options(command: argparse.ArgumentParser) -> None:
+    """The options ``vgraph_options`` reads (``vgraph precompile`` and ``vgraph serve`` take the same)."""
+    command.add_argument("--options", default="{}", help="vgraph options as JSON (VGraphConfig fields...)")
+    command.add_argument("--budgets", type=int, nargs="+", help="token budgets of a packed tower (patches)")
+    command.add_argument("--max-items", type=int, help="images (or tiles) one graph call holds")
+    command.add_argument("--max-frames", type=int, help="temporal patches one graph call of a packed tower holds")
+    command.add_argument(
+        "--artifact-dir", help="saved plans and artifacts (default: VGRAPH_ARTIFACT_DIR, else inductor's cache)"
+    )
+
+
+def log_to_stderr() -> None:
+    """vgraph's INFO lines (the start-up time, which towers are served) on stderr, as transformers' are."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("vgraph_compile")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def serve(args: argparse.Namespace, rest: list[str]) -> None:
+    """``transformers serve MODEL_DIR REST`` with vgraph's tower in every VLM it loads."""
+    from vgraph_compile.hf import server
+
+    server.serve([args.model_dir, *rest], server.manager_class(vgraph_options(args), started=STARTED))
+
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def _nan_call(compiled, inputs):
 
 def _compiled(factory, entry, **options):
     """The example encoder of ``factory`` through ``entry``, after a NaN call."""
-    model, inputs = getattr(examples, factory)()
+    model, inputs = getattr(explain_factories, factory)()
     options = {**OPTIONS, **options}
     torch._dynamo.reset()
     if entry == "torch.compile":

@@ -145,6 +145,19 @@ def test_batched_row_fills_equal_the_rules_on_poisoned_buffers(rows, extra, dtyp
         assert torch.equal(region, staged)
 
 
+def test_row_fills_cached_under_inference_mode_write_under_no_grad():
+    """A fill under ``torch.inference_mode`` (a server's warm-up) caches byte views that a later fill of as many
+    rows under ``no_grad`` (``generate``'s) writes through."""
+    views: dict = {}
+    buffer = torch.full((6, 3), float("nan"))
+    for mode, value in ((torch.inference_mode, torch.ones(4, 3)), (torch.no_grad, torch.full((4, 3), 2.0))):
+        with mode():
+            batch = RowFills(views)
+            assert batch.add(0, buffer, value)
+            batch.run()
+        assert torch.equal(buffer[:4], value) and torch.equal(buffer[4:], torch.zeros(2, 3))
+
+
 def test_row_fills_leave_what_they_cannot_view_as_bytes_to_the_rule():
     """A value padded along a later dim, a 0-dim value and one whose last dim is strided are not queued: the
     caller runs the rule (which handles them), and nothing is written by ``run``."""

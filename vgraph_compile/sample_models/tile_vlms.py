@@ -14,7 +14,7 @@ import torch
 
 from vgraph_compile.sample_models.qwen_vlms import Request, resized
 
-__all__ = ["internvl", "tile_processor", "tile_inputs"]
+__all__ = ["internvl", "tile_processor", "tile_inputs", "tokens_per_tile"]
 
 TEXT_0_5B = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -59,7 +59,8 @@ def tile_processor(model, max_tiles: int = 12):
     )
 
 
-def _tokens_per_tile(config) -> int:
+def tokens_per_tile(config) -> int:
+    """Image tokens per tile: the tile's patches, pixel-shuffled by the config's downsample ratio."""
     patches = (config.vision_config.image_size[0] // config.vision_config.patch_size[0]) ** 2
     return int(patches * config.downsample_ratio**2)
 
@@ -73,7 +74,7 @@ def tile_inputs(model, request: Request, processor, device=None) -> dict[str, to
     rng = random.Random(request.seed)
     config = model.config
     vocab = min(config.text_config.vocab_size, 1000)
-    per_tile = _tokens_per_tile(config)
+    per_tile = tokens_per_tile(config)
     ids: list[int] = []
     for count, image_tiles in zip(request.text_tokens, [*tiles, 0]):
         ids += [rng.randrange(1, vocab) for _ in range(count)] + [config.image_token_id] * (per_tile * image_tiles)

@@ -108,8 +108,9 @@ def build_vlm(
     return model.eval()
 
 
-def image_processor(name: str, model):
-    """The family's own image processor (PIL backend) with the model's patch, temporal patch and merge sizes."""
+def image_processor(name: str, model, max_patches: int | None = None):
+    """The family's own image processor (PIL backend) with the model's patch, temporal patch and merge sizes;
+    ``max_patches`` caps each image's patches (default: the processor's own cap)."""
     from transformers.models.auto import image_processing_auto
 
     from vgraph_compile.hf.packed_tower import config_geometry
@@ -124,7 +125,11 @@ def image_processor(name: str, model):
         temporal_patch_size=geometry.temporal_patch_size,
         merge_size=geometry.spatial_merge_size,
     )
-    return processor_class(**{key: value for key, value in sizes.items() if hasattr(processor_class, key)})
+    options = {key: value for key, value in sizes.items() if hasattr(processor_class, key)}
+    if max_patches is not None:
+        patch, merge = geometry.patch_size, geometry.spatial_merge_size
+        options["size"] = {"shortest_edge": (patch * merge) ** 2, "longest_edge": max_patches * patch * patch}
+    return processor_class(**options)
 
 
 def image_inputs(model, processor, images: list[np.ndarray], text_tokens: int = 5, seed: int = 0) -> dict:

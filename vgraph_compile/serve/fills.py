@@ -62,7 +62,8 @@ class RowFills:
     fall back to a copy per tensor where the fast path does not apply, with the same result).
 
     ``views`` caches, per (buffer, rows), the byte views of the buffer's first ``rows`` rows and of the rest, so
-    a call slices nothing it sliced before."""
+    a call slices nothing it sliced before. They are made outside inference mode: a dtype view made under
+    ``torch.inference_mode`` is an inference tensor, which a later call under ``no_grad`` could not write."""
 
     def __init__(self, views: dict) -> None:
         self.views = views
@@ -81,8 +82,9 @@ class RowFills:
         rows = value.shape[0]
         views = self.views.get((index, rows))
         if views is None:
-            tail = _bytes(buffer[rows:]) if rows < buffer.shape[0] else None
-            views = self.views[index, rows] = (_bytes(buffer[:rows]), tail)
+            with torch.inference_mode(False):
+                tail = _bytes(buffer[rows:]) if rows < buffer.shape[0] else None
+                views = self.views[index, rows] = (_bytes(buffer[:rows]), tail)
         destination, tail = views
         self.destinations.append(destination)
         self.sources.append(source)
