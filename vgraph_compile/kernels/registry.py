@@ -14,15 +14,17 @@ Optional kernels are imported lazily, so a missing package is reported when that
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 if TYPE_CHECKING:
     import torch
 
 AttentionBackendName = Literal[
-    "default", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex"
+    "default", "sdpa", "torch_varlen", "cudnn", "fa4", "flashinfer", "packed_reference", "flex", "dense_cudnn",
+    "dense_flash", "dense_efficient",
 ]
 """Names accepted by the ops' ``backend`` argument. ``"default"`` is a fixed rule (``resolve``); the measured
 choice is ``VGraphConfig.attention_backend="auto"`` (``compile/kernel_timing.py``)."""
@@ -34,7 +36,7 @@ class AttentionBackend:
 
     name: str
     module: str
-    """Module under ``vgraph_compile.kernels`` defining ``attention(q, k, v, offsets, max_seqlen, scale)``."""
+    """Module under ``vgraph_compile.kernels`` defining the kernel ``function(q, k, v, offsets, max_seqlen, scale)``."""
     supports: Callable[["torch.device", "torch.dtype"], bool]
     """Whether the kernel can run on this device and dtype (checked before a graph is built)."""
     packed: bool = False
@@ -52,6 +54,9 @@ class AttentionBackend:
     head_dims: tuple[int, ...] | None = None
     """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
     output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
+
+    function: str = "attention"
+    """The kernel's name in ``module``."""
 
     def __post_init__(self) -> None:
         if self.packed and self.head_dims is not None:
@@ -93,7 +98,7 @@ class AttentionBackend:
         return self.unavailable(device, dtype) is None
 
     def load(self) -> Callable[..., "torch.Tensor"]:
-        return importlib.import_module(f"vgraph_compile.kernels.{self.module}").attention
+        return getattr(importlib.import_module(f"vgraph_compile.kernels.{self.module}"), self.function)
 
     def prepare(self, device: "torch.device") -> None:
         """Set up what the kernel keeps across calls (e.g. a workspace) before any graph is captured."""
@@ -143,6 +148,11 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
     )
 
 
+def _dense_flash(device: "torch.device", dtype: "torch.dtype") -> bool:
+    """torch's SDPA flash kernel: fp16/bf16 on CUDA, or its CPU kernel (which the CPU tests run)."""
+    return _cuda_half_kernel(device, dtype) or device.type == "cpu"
+
+
 BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend("sdpa", "sdpa", lambda device, dtype: True, timed_by_auto=False, confined=True),
     "torch_varlen": AttentionBackend("torch_varlen", "torch_varlen", _cuda_half),
@@ -168,15 +178,57 @@ BACKENDS: dict[str, AttentionBackend] = {
     "flex": AttentionBackend(
         "flex", "flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False, confined=True
     ),
+    "dense_cudnn": AttentionBackend(
+        "dense_cudnn", "dense", _cudnn_attention, function="cudnn", confined=True
+    ),
+    "dense_flash": AttentionBackend(
+        "dense_flash", "dense", _dense_flash, function="flash", confined=True
+    ),
+    "dense_efficient": AttentionBackend(
+        "dense_efficient", "dense", _cuda_half_kernel, function="efficient", confined=True
+    ),
 }
+"""The ``dense_*`` kernels run the whole rows as one SDPA call (``kernels/dense.py``): the kernels a stock tower's
+SDPA picks, timed by ``auto`` per bucket beside the varlen ones."""
 
 
-def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:
-    """The backend ``name`` stands for on ``device``/``dtype``.
+def by_rows(choices: "Mapping[int, str]") -> str:
+    """One ``backend`` argument for a kernel per bucket: ``{rows: kernel}`` (the rows of each bucket's attention
+    call) as ``"4096:torch_varlen;16384:dense_cudnn"``. A call takes the entry of the fewest rows at or above its
+    own (the largest past them all); a single kernel is its plain name."""
+    names = set(choices.values())
+    if len(names) == 1:
+        return names.pop()
+    return ";".join(f"{rows}:{choices[rows]}" for rows in sorted(choices))
+
+
+@functools.cache
+def _entries(name: str) -> tuple[tuple[int, str], ...]:
+    entries = []
+    for entry in name.split(";"):
+        rows, _, kernel = entry.partition(":")
+        if not rows.isdigit() or not kernel:
+            raise ValueError(f"attention backend {name!r}: a per-bucket choice is 'rows:kernel;rows:kernel...'")
+        entries.append((int(rows), kernel))
+    return tuple(sorted(entries))
+
+
+def kernel_names(name: str) -> tuple[str, ...]:
+    """The plain kernel names ``name`` stands for (itself, or each of a ``by_rows`` choice)."""
+    return tuple(kernel for _, kernel in _entries(name)) if ":" in name else (name,)
+
+
+def resolve(name: str, device: "torch.device", dtype: "torch.dtype", rows: int | None = None) -> AttentionBackend:
+    """The backend ``name`` stands for on ``device``/``dtype``, for an attention call of ``rows`` rows (None: the
+    largest entry of a ``by_rows`` choice).
 
     ``"default"`` is a fixed rule, no measurement: torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the
     SDPA block-diagonal reference.
     """
+    if ":" in name:
+        entries = _entries(name)
+        chosen = next((kernel for limit, kernel in entries if rows is not None and rows <= limit), entries[-1][1])
+        return resolve(chosen, device, dtype)
     if name == "default":
         return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
     if name not in BACKENDS:
