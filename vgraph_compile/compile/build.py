@@ -93,6 +93,9 @@ class BuildRecord:
     """The saved artifact holding the compiled code (``compile/artifacts``); None when it is not on disk."""
     graph: torch.fx.GraphModule | None
     """The rewritten graph itself when it runs as is (``compiler="eager"``); None when inductor compiled it."""
+    size_guards: tuple | None = None
+    """The trace's and the compile's size guards (``compile/inductor.size_guards``): the compiled code may run at a
+    call's exact sizes, with no bucket, where all hold; None: unknown, never run so."""
 
 
 @dataclass
@@ -233,6 +236,7 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
         prepared=prepared,
         artifact_key=result.artifact_key,
         graph=compiled_graph if ctx.config.compiler == "eager" else None,
+        size_guards=result.guards,
     )
     state = [value if role.role is Role.PARAMETER else None for role, value in zip(ctx.spec.inputs, ctx.example_inputs)]
     return assemble(ctx.spec, record, result.run, state)

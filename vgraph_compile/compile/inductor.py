@@ -54,6 +54,21 @@ class CompileResult(NamedTuple):
     """The buckets the compiled code serves."""
     artifact_key: str | None
     """The key of the saved artifact holding the compiled code (None: not on disk, a later process compiles)."""
+    guards: tuple[sympy.Expr, ...] | None = None
+    """Every size guard of the trace and the compile (``size_guards``): the compiled code runs at any sizes where
+    all hold. None when unknown (code loaded from an artifact, whose compile's guards were not kept)."""
+
+
+def size_guards(ctx: PassContext) -> tuple[sympy.Expr, ...]:
+    """Every guard in the ShapeEnv, in the symbols the buckets size: any other symbol replaced by what the ShapeEnv
+    equates it to (as ``_holds`` does)."""
+    sized = set().union(*(bucket.values for bucket in ctx.buckets))
+    guards = []
+    for guard in ctx.shape_env.guards:
+        expr = sympy.sympify(guard.expr)
+        others = {symbol: ctx.shape_env.replace(symbol) for symbol in expr.free_symbols if symbol not in sized}
+        guards.append(expr.xreplace(others))
+    return tuple(guards)
 
 
 def load_compiled(config: "VGraphConfig", key: str) -> tuple[CompiledFn, tuple[int, ...]] | None:
@@ -129,7 +144,7 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
     one matches (``compile/artifacts``), else compiled, and saved unless inductor pinned a size (a loaded artifact
     would not tell the buckets to hold it)."""
     if ctx.config.compiler == "eager":
-        return CompileResult(lambda inputs: gm(*inputs), list(ctx.buckets), None)
+        return CompileResult(lambda inputs: gm(*inputs), list(ctx.buckets), None, size_guards(ctx))
     directory = artifacts.artifact_dir(ctx.config) if artifacts.available() else None
     key = artifacts.artifact_key(gm, ctx) if directory is not None else None
     loaded = load_compiled(ctx.config, key) if key is not None else None
@@ -171,4 +186,4 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
         if artifacts.save(directory, key, artifact, tuple(bucket.budget for bucket in served)):
             counters.artifacts_saved += 1
             saved = key
-    return CompileResult(compiled, served, saved)
+    return CompileResult(compiled, served, saved, size_guards(ctx))

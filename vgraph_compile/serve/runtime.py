@@ -7,11 +7,15 @@ narrow the outputs to the real sizes and copy them out. A call no bucket holds r
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
-With ``call_choice="measured"``, the warm-up also times every bucket's replay and
-the eager graph at its sizes (``compile/call_costs``), and a call that fits a bucket takes the cheapest by that
-table of: padding it to the smallest bucket, splitting it at a segment boundary over two smaller buckets (where
-``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), and running
-it eagerly. ``stats_table()`` counts each choice.
+With ``call_choice="measured"``, the warm-up also times every bucket's replay and the compiled code at its sizes
+without a graph (``compile/call_costs``), and a call that fits a bucket takes the cheapest of: padding it to the
+smallest bucket (a replay), splitting it at a segment boundary over two smaller buckets (where
+``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), running the
+compiled code at the call's exact sizes with no graph (no padding, no replay: where every size guard of the trace
+and the compile holds at those sizes), and, when the caller passes it (``stock``), the user's own module. The
+stock module is timed on real calls: the first call of a bucket that the caller lets it serve runs it, timed, and
+so does a later call whose rows are more than a quarter away from every call timed there; its time for a call is
+the nearest timed call's, scaled by rows. ``stats_table()`` counts each choice.
 
 Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
 CUDA the lock is released once the work is queued, not finished. Calls on one stream are ordered by it; a call on
@@ -28,18 +32,19 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import sympy
 import torch
 
 from vgraph_compile.compile.build import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
-from vgraph_compile.compile.call_costs import CallCosts, measure_call_costs
+from vgraph_compile.compile.call_costs import CallCosts, measure_call_costs, median_ms
 from vgraph_compile.counters import counters
 from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve.checks import CallChecks, CallPlan
 from vgraph_compile.serve.split import Splitter, can_split
+from vgraph_compile.symbolic import evaluate, substitute
 
 __all__ = ["VGraphRuntime"]
 
@@ -57,8 +62,21 @@ class _Miss:
 _CHOICE_CACHE_SIZE = 4096
 _STAGED_CACHE_SIZE = 1024
 
-PADDED, SPLIT, EAGER = "padded to the smallest bucket", "split over two buckets", "run eagerly (cheaper)"
+PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
+EXACT, STOCK = "compiled code at the exact size", "stock module"
+CHOICES = (PADDED, SPLIT, EXACT, STOCK)
 """The per-call choices of ``call_choice="measured"``, as ``stats_table()`` counts them."""
+
+_STOCK_REACH = 1.25
+"""A stock timing stands for calls whose rows are within this factor of its own; past it, the stock is timed again."""
+
+
+@dataclass(frozen=True)
+class StockServed:
+    """What ``VGraphRuntime`` returns for a call the stock module served: the module's own result (not graph
+    outputs)."""
+
+    result: Any
 
 
 @dataclass(frozen=True)
@@ -113,10 +131,15 @@ class VGraphRuntime:
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
-        """Calls per choice (``PADDED``, ``SPLIT``, ``EAGER``) while a cost table is set."""
+        """Calls per choice (``CHOICES``) while a cost table is set."""
         self._splitter = Splitter(self.spec) if can_split(self.spec) else None
-        self._routes: dict[tuple[int, ...], tuple[str, float]] = {}
-        """Per call sizes: the cheaper of padding and eager, and its cost (a split depends on the offsets' values)."""
+        self._routes: dict[tuple[tuple[int, ...], bool], tuple[str, float]] = {}
+        """Per (call sizes, stock offered): the cheapest of padding, the exact size and the stock module, and its
+        cost (a split depends on the offsets' values)."""
+        self._exact: dict[tuple[int, ...], bool] = {}
+        """Per call sizes: whether the compiled code may run at them (every size guard holds)."""
+        self.stock_ms: dict[int, list[tuple[int, float]]] = {}
+        """Per bucket budget: (rows, ms) of each timed stock call it would have served."""
         self._split_floors: dict[int, float] = {}
         self.first_outputs: list[Any] | None = None
         """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
@@ -135,7 +158,7 @@ class VGraphRuntime:
             self.costs = measure_call_costs(
                 self.buckets,
                 lambda bucket: bucket.run(self.encoder.compiled),
-                self.encoder.eager,
+                self.encoder.compiled,
                 self.spec,
                 self.encoder.roles,
                 self.device,
@@ -208,21 +231,85 @@ class VGraphRuntime:
         cost = sum(self.costs.replay(bucket.shape.budget) for _, _, bucket in halves)
         return _Split(cost, tuple(halves)) if cost < under else None
 
-    def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> tuple[str, _Split | None]:
-        """The cheapest way to run a call that fits ``bucket``, by the cost table."""
-        route = self._routes.get(plan.key)
+    def _stock_estimate(self, budget: int, rows: int) -> float | None:
+        """The stock module's time for a call of ``rows`` served by the bucket of ``budget``: the nearest timed
+        call's, scaled by rows; None when no timed call is within ``_STOCK_REACH`` of it (time one)."""
+        samples = self.stock_ms.get(budget)
+        if not samples:
+            return None
+        timed_rows, ms = min(samples, key=lambda sample: abs(sample[0] - rows))
+        if max(rows, 1) > timed_rows * _STOCK_REACH or rows * _STOCK_REACH < timed_rows:
+            return None
+        return ms * max(rows, 1) / max(timed_rows, 1)
+
+    def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, stock: bool) -> tuple[str, _Split | None]:
+        """The cheapest way to run a call that fits ``bucket``, by the cost table; ``STOCK`` also where the stock
+        module's time for the call is unknown (it is timed then)."""
+        route = self._routes.get((plan.key, stock))
         if route is None:
-            pad, eager = self.costs.replay(bucket.shape.budget), self.costs.eager(plan.tokens)
-            route = (PADDED, pad) if pad <= eager else (EAGER, eager)
+            options = {PADDED: self.costs.replay(bucket.shape.budget)}
+            if self._exact_allowed(bucket, plan):
+                options[EXACT] = self.costs.exact(plan.tokens)
+            if stock:
+                estimate = self._stock_estimate(bucket.shape.budget, plan.tokens)
+                if estimate is None:
+                    return STOCK, None
+                options[STOCK] = estimate
+            route = min(options.items(), key=lambda option: option[1])
             if len(self._routes) >= _CHOICE_CACHE_SIZE:
                 self._routes.clear()
-            self._routes[plan.key] = route
+            self._routes[plan.key, stock] = route
         choice, cost = route
         if self._splitter is not None and self._split_floor(plan.tokens) < cost:
             split = self._best_split(args, plan, cost)
             if split is not None:
                 return SPLIT, split
         return choice, None
+
+    # -- the compiled code at a call's exact sizes -------------------------------------------------------------
+
+    def _exact_values(self, bucket: Bucket, plan: CallPlan) -> dict[sympy.Symbol, int]:
+        """Every size symbol at the call's own value; the bucket's for those the call does not bind (bounds such as
+        a max_seqlen, which the call's sizes stay under)."""
+        values = {**bucket.shape.values, **plan.sizes}
+        for symbol, expr in self.spec.relations.items():
+            values[symbol] = evaluate(expr, plan.sizes, "a related size")
+        return values
+
+    def _exact_allowed(self, bucket: Bucket, plan: CallPlan) -> bool:
+        """Whether the compiled code may run at the call's sizes: every size guard of its trace and compile holds
+        there (known at build; unknown guards allow nothing)."""
+        allowed = self._exact.get(plan.key)
+        if allowed is None:
+            guards = self.encoder.record.size_guards
+            values = self._exact_values(bucket, plan)
+            allowed = guards is not None and all(substitute(guard, values) == sympy.true for guard in guards)
+            if len(self._exact) >= _CHOICE_CACHE_SIZE:
+                self._exact.clear()
+            self._exact[plan.key] = allowed
+        return allowed
+
+    def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
+        """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
+        fresh tensors at the call's sizes."""
+        layout = self.encoder.record.layout
+        values = self._exact_values(bucket, plan)
+        inputs = list(bucket.inputs)
+        for index in layout.copied:
+            inputs[index] = args[index].contiguous()
+        for index, expr in layout.sizes.items():
+            inputs[index] = evaluate(expr, values, "a size input")
+        return list(self.encoder.compiled(inputs))
+
+    def _run_stock(self, stock: Callable[[], Any], budget: int, rows: int) -> StockServed:
+        """The stock module on the call; timed (and the routes recomputed) when no timing stands for it."""
+        if self._stock_estimate(budget, rows) is not None:
+            return StockServed(stock())
+        served: list[Any] = []
+        ms = median_ms(lambda: served.append(stock()), self.device, repeats=1, warm=False)
+        self.stock_ms.setdefault(budget, []).append((rows, ms))
+        self._routes.clear()
+        return StockServed(served[-1])
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -279,10 +366,13 @@ class VGraphRuntime:
             torch._foreach_copy_([results[index] for index in tensors], [views[index] for index in tensors])
         return results
 
-    def __call__(self, *args: Any, key: Hashable = None) -> list[Any]:
+    def __call__(
+        self, *args: Any, key: Hashable = None, stock: Callable[[], Any] | None = None
+    ) -> list[Any] | StockServed:
         """Serve one call of graph inputs ``args``. A ``key`` promises that every input but the token rows equals
         that of any earlier call with the same key (the HF towers pass the grid, whose metadata vgraph caches): the
-        bucket's metadata then takes the bytes staged at that call, in one copy."""
+        bucket's metadata then takes the bytes staged at that call, in one copy. ``stock`` runs the user's own module
+        on this call (the caller's arguments); with a cost table, the call may take it (``StockServed``)."""
         plan = self.checks.check(args)
         grad = torch.is_grad_enabled()
         if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
@@ -303,12 +393,15 @@ class VGraphRuntime:
             if self.costs is None:
                 results = self._replay(bucket, args, plan, key)
             else:
-                choice, split = self._route(bucket, args, plan)
+                choice, split = self._route(bucket, args, plan, stock is not None)
                 self.choices[choice] += 1
                 if choice == PADDED:
                     results = self._replay(bucket, args, plan, key)
-                elif choice == EAGER:
-                    results = list(self.encoder.eager(*args))
+                elif choice == EXACT:
+                    results = self._run_exact(bucket, args, plan)
+                elif choice == STOCK:
+                    self.serves += 1
+                    return self._run_stock(stock, bucket.shape.budget, plan.tokens)
                 else:
                     results = self._splitter.join(*(self._replay(b, half, p) for half, p, b in split.halves))
         self._remember_first(results)
@@ -365,7 +458,7 @@ class VGraphRuntime:
         if self.encoder.cudagraphs:
             lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
         if self.costs is not None:
-            choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in (PADDED, SPLIT, EAGER))
+            choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in CHOICES)
             lines.append(f"per-call choice by the measured costs: {choices}")
         for miss in self.misses.values():
             lines.append(f"eager fallback x{miss.count}: {miss.reason}")
