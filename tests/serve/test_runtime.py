@@ -138,6 +138,24 @@ def test_inductor_buckets_serve_100_calls_from_one_compile(one_block, inductor_c
     assert {bucket.stats.hits > 0 for bucket in inductor_compiled.vgraph.runtimes[0].buckets} == {True}
 
 
+def test_inductor_code_runs_at_exact_sizes_without_a_bucket(one_block, inductor_compiled):
+    """With a table where the exact size is cheapest, the one inductor compile runs at each call's own sizes (no
+    replay, no padding) and matches eager; the size guards it needs are known from the build."""
+    runtime = inductor_compiled.vgraph.runtimes[0]
+    assert runtime.encoder.record.size_guards is not None
+    runtime.costs = CallCosts(budgets=(16, 32, 64, 128), replay_ms=(9.0,) * 4, exact_ms=(1.0,) * 4)
+    runtime.stock_ms = {budget: [(rows, 50.0) for rows in range(1, 129)] for budget in (16, 32, 64, 128)}
+    try:
+        with torch.no_grad(), counters.expect(replays=0):
+            for lengths in ([3], [7, 9, 1], [40, 41, 20]):
+                inputs = pack_images(lengths, 12)
+                torch.testing.assert_close(inductor_compiled(*inputs), one_block(*inputs), rtol=1e-5, atol=1e-5)
+        assert runtime.choices[EXACT] == 3
+    finally:
+        runtime.costs, runtime.stock_ms = None, {}
+        runtime._routes.clear()
+
+
 def test_grad_modes_never_retrace(one_block, inductor_compiled):
     """inference_mode, no_grad, then grad enabled, then inference_mode again: one trace, no crash."""
     inputs = pack_images([7, 9], 12)
