@@ -72,7 +72,7 @@ class _HotPath:
         inputs = self.arguments.read(args, kwargs, key)
         if inputs is None:
             return NotImplemented
-        stock = functools.partial(self.stock, *args, **kwargs) if self.runtime.costs is not None else None
+        stock = functools.partial(self.stock, *args, **kwargs) if self.runtime.offers_stock else None
         outputs = self.runtime(*inputs, key=key, stock=stock)
         return outputs.result if isinstance(outputs, StockServed) else self.layout.build(outputs)
 

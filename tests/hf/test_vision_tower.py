@@ -297,4 +297,4 @@ def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(to
     assert sum(runtime.choices.values()) == 5  # the four calls and the warm-up's synthetic image
     assert runtime.choices["stock module"] >= 2  # the first call of each bucket
     assert sorted(runtime.stock_ms) == [128, 512]
-    assert "per-call choice by the measured costs" in served.stats_table()
+    assert "per-call choice (measured): padded to the smallest bucket x" in served.stats_table()

@@ -139,12 +139,11 @@ def test_inductor_buckets_serve_100_calls_from_one_compile(one_block, inductor_c
 
 
 def test_inductor_code_runs_at_exact_sizes_without_a_bucket(one_block, inductor_compiled):
-    """With a table where the exact size is cheapest, the one inductor compile runs at each call's own sizes (no
-    replay, no padding) and matches eager; the size guards it needs are known from the build."""
+    """call_choice="exact_size": the one inductor compile runs at each call's own sizes (no replay, no padding)
+    and matches eager; the size guards it needs are known from the build."""
     runtime = inductor_compiled.vgraph.runtimes[0]
     assert runtime.encoder.record.size_guards is not None
-    runtime.costs = CallCosts(budgets=(16, 32, 64, 128), replay_ms=(9.0,) * 4, exact_ms=(1.0,) * 4)
-    runtime.stock_ms = {budget: [(rows, 50.0) for rows in range(1, 129)] for budget in (16, 32, 64, 128)}
+    runtime.call_choice = "exact_size"
     try:
         with torch.no_grad(), counters.expect(replays=0):
             for lengths in ([3], [7, 9, 1], [40, 41, 20]):
@@ -152,8 +151,7 @@ def test_inductor_code_runs_at_exact_sizes_without_a_bucket(one_block, inductor_
                 torch.testing.assert_close(inductor_compiled(*inputs), one_block(*inputs), rtol=1e-5, atol=1e-5)
         assert runtime.choices[EXACT] == 3
     finally:
-        runtime.costs, runtime.stock_ms = None, {}
-        runtime._routes.clear()
+        runtime.call_choice = "smallest_bucket"
 
 
 def test_grad_modes_never_retrace(one_block, inductor_compiled):

@@ -33,7 +33,7 @@ from vgraph_compile.counters import counters
 from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, fold_scalars, rewrite, select_kernel
 from vgraph_compile.rewrite.align_matmuls import PADDED_SHAPE
 from vgraph_compile.fx_utils import example_value
-from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
+from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, VarlenSpec
 
 __all__ = ["assemble", "build", "BuildRecord", "CompiledEncoder", "InputLayout"]
 
@@ -93,6 +93,8 @@ class BuildRecord:
     """The saved artifact holding the compiled code (``compile/artifacts``); None when it is not on disk."""
     graph: torch.fx.GraphModule | None
     """The rewritten graph itself when it runs as is (``compiler="eager"``); None when inductor compiled it."""
+    dropped: tuple[DroppedBucket, ...] = ()
+    """Budgets the analyses and the compile gave up, with their reasons."""
     size_guards: tuple | None = None
     """The trace's and the compile's size guards (``compile/inductor.size_guards``): the compiled code may run at a
     call's exact sizes, with no bucket, where all hold; None: unknown, never run so."""
@@ -113,6 +115,8 @@ class CompiledEncoder:
     """Device memory the graphs' shared pool holds after every capture."""
     captured: bool = False
     """Whether ``warmup`` ran (the buckets list is final)."""
+    dropped: list[DroppedBucket] = field(default_factory=list)
+    """Every budget given up: the build's (``BuildRecord.dropped``), then those a capture dropped."""
     strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     """(module parameter, its aligned tensor) of each parameter padded past its first dim and still held twice."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -120,6 +124,7 @@ class CompiledEncoder:
     def __post_init__(self) -> None:
         self.eager, self.kernels, self.folded = self.record.eager, self.record.kernels, self.record.folded
         self.cudagraphs = self.record.cudagraphs
+        self.dropped = list(self.record.dropped)
 
     def warmup(self) -> None:
         """Capture every bucket's CUDA graph (largest first, one pool); idempotent and thread-safe. Once done it
@@ -132,7 +137,14 @@ class CompiledEncoder:
             if self.cudagraphs:
                 pool = torch.cuda.graph_pool_handle()
                 with torch.inference_mode(False):
-                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles, pool)
+                    captured = bucket_graphs.capture(self.buckets, self.compiled, self.roles, pool)
+                kept = {bucket.shape.budget for bucket in captured}
+                self.dropped += [
+                    DroppedBucket(bucket.shape.budget, "out of GPU memory while capturing its graph")
+                    for bucket in self.buckets
+                    if bucket.shape.budget not in kept
+                ]
+                self.buckets = captured
                 self.pool_bytes = bucket_graphs.pool_bytes(pool)
             self.captured = True
 
@@ -237,6 +249,7 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
         artifact_key=result.artifact_key,
         graph=compiled_graph if ctx.config.compiler == "eager" else None,
         size_guards=result.guards,
+        dropped=tuple(ctx.dropped),
     )
     state = [value if role.role is Role.PARAMETER else None for role, value in zip(ctx.spec.inputs, ctx.example_inputs)]
     return assemble(ctx.spec, record, result.run, state)

@@ -35,7 +35,7 @@ from vgraph_compile.compile import artifacts, repeated_blocks
 from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import substitute
-from vgraph_compile.spec import BucketShape, PassContext, Role
+from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, guard_origin
 
 if TYPE_CHECKING:
     from vgraph_compile.config import VGraphConfig
@@ -127,11 +127,12 @@ def _holds(guard: sympy.Expr, bucket: BucketShape, shape_env) -> bool | None:
     return None
 
 
-def _added_constraints(shape_env, guards_before: int, replacements_before: dict) -> list[sympy.Expr]:
-    """What inductor assumed while compiling: the guards it added and each new replacement as an equality."""
-    added = [guard.expr for guard in shape_env.guards[guards_before:]]
+def _added_constraints(shape_env, guards_before: int, replacements_before: dict) -> list[tuple[sympy.Expr, str]]:
+    """What inductor assumed while compiling, each with where it came from: the guards it added (their op's line)
+    and each new replacement as an equality."""
+    added = [(guard.expr, guard_origin(guard)) for guard in shape_env.guards[guards_before:]]
     added += [
-        sympy.Eq(symbol, value)
+        (sympy.Eq(symbol, value), "a size inductor specialized")
         for symbol, value in shape_env.replacements.items()
         if replacements_before.get(symbol) != value
     ]
@@ -171,13 +172,13 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
         counters.buckets_dropped += len(ctx.buckets) - len(shapes)
     served = []
     for bucket in shapes:
-        failed = [guard for guard in added if _holds(guard, bucket, ctx.shape_env) is False]
+        failed = [(guard, origin) for guard, origin in added if _holds(guard, bucket, ctx.shape_env) is False]
         if failed:
-            log.warning(
-                "budget %d dropped: the compiled code assumes %s, which fails at that size",
-                bucket.budget,
-                ", ".join(ctx.spec.describe_expr(guard) for guard in failed),
-            )
+            reason = "the compiled code assumes " + "; ".join(
+                f"{ctx.spec.describe_expr(guard)} (from {origin})" for guard, origin in failed
+            ) + ", which fails at that size"
+            ctx.dropped.append(DroppedBucket(bucket.budget, reason))
+            log.warning("budget %d dropped: %s", bucket.budget, reason)
             counters.buckets_dropped += 1
             continue
         served.append(bucket)

@@ -128,10 +128,13 @@ class VGraphRuntime:
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
+        self.call_choice = self.config.call_choice
+        """How calls that fit a bucket are served (``VGraphConfig.call_choice``); may be changed between calls (the
+        cost table is measured when ``measured`` first needs it)."""
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
-        """Calls per choice (``CHOICES``) while a cost table is set."""
+        """Calls per choice (``CHOICES``) under every call_choice but smallest_bucket."""
         self._splitter = Splitter(self.spec) if can_split(self.spec) else None
         self._routes: dict[tuple[tuple[int, ...], bool], tuple[str, float]] = {}
         """Per (call sizes, stock offered): the cheapest of padding, the exact size and the stock module, and its
@@ -154,7 +157,12 @@ class VGraphRuntime:
         if self.encoder.captured:
             return False
         self.encoder.warmup()
-        if self.config.call_choice == "measured" and self.buckets:
+        self._measure_costs()
+        return True
+
+    def _measure_costs(self) -> None:
+        """The cost table, once ``measured`` needs it and the graphs are captured."""
+        if self.call_choice == "measured" and self.costs is None and self.buckets and self.encoder.captured:
             self.costs = measure_call_costs(
                 self.buckets,
                 lambda bucket: bucket.run(self.encoder.compiled),
@@ -163,7 +171,11 @@ class VGraphRuntime:
                 self.encoder.roles,
                 self.device,
             )
-        return True
+
+    @property
+    def offers_stock(self) -> bool:
+        """Whether a caller that can run the user's module on a call should offer it (``stock`` of ``__call__``)."""
+        return self.call_choice in ("measured", "stock")
 
     # -- per call ----------------------------------------------------------------------------------------------
 
@@ -243,8 +255,12 @@ class VGraphRuntime:
         return ms * max(rows, 1) / max(timed_rows, 1)
 
     def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, stock: bool) -> tuple[str, _Split | None]:
-        """The cheapest way to run a call that fits ``bucket``, by the cost table; ``STOCK`` also where the stock
-        module's time for the call is unknown (it is timed then)."""
+        """How to run a call that fits ``bucket``: the fixed choice, or the cheapest by the cost table (``STOCK``
+        also where the stock module's time for the call is unknown: it is timed then)."""
+        if self.call_choice == "exact_size":
+            return (EXACT if self._exact_allowed(bucket, plan) else PADDED), None
+        if self.call_choice == "stock":
+            return (STOCK if stock else PADDED), None
         route = self._routes.get((plan.key, stock))
         if route is None:
             options = {PADDED: self.costs.replay(bucket.shape.budget)}
@@ -302,8 +318,9 @@ class VGraphRuntime:
         return list(self.encoder.compiled(inputs))
 
     def _run_stock(self, stock: Callable[[], Any], budget: int, rows: int) -> StockServed:
-        """The stock module on the call; timed (and the routes recomputed) when no timing stands for it."""
-        if self._stock_estimate(budget, rows) is not None:
+        """The stock module on the call; timed (and the routes recomputed) when ``measured`` has no timing that
+        stands for it."""
+        if self.call_choice != "measured" or self._stock_estimate(budget, rows) is not None:
             return StockServed(stock())
         served: list[Any] = []
         ms = median_ms(lambda: served.append(stock()), self.device, repeats=1, warm=False)
@@ -389,8 +406,9 @@ class VGraphRuntime:
         bucket = self._choose(plan)
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
+        self._measure_costs()
         with torch.no_grad() if grad else contextlib.nullcontext():
-            if self.costs is None:
+            if self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
                 results = self._replay(bucket, args, plan, key)
             else:
                 choice, split = self._route(bucket, args, plan, stock is not None)
@@ -440,7 +458,8 @@ class VGraphRuntime:
 
     # -- reporting ---------------------------------------------------------------------------------------------
     def stats_table(self) -> str:
-        """Per-bucket hits and padding, pool memory and the eager fallbacks, as a printable table."""
+        """Per-bucket hits and padding, pool memory, the dropped budgets (each with its reason) and the eager
+        fallbacks, as a printable table."""
         lines = [
             "budget: token rows the bucket holds; segments, max_seqlen: per attention group; hits: calls served; "
             "padded: share of its rows that were padding",
@@ -457,9 +476,11 @@ class VGraphRuntime:
             lines.append(f"attention kernels: {kernels}")
         if self.encoder.cudagraphs:
             lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
-        if self.costs is not None:
+        if self.choices:
             choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in CHOICES)
-            lines.append(f"per-call choice by the measured costs: {choices}")
+            lines.append(f"per-call choice ({self.call_choice}): {choices}")
+        for dropped in self.encoder.dropped:
+            lines.append(dropped.format())
         for miss in self.misses.values():
             lines.append(f"eager fallback x{miss.count}: {miss.reason}")
         return "\n".join(lines)
