@@ -12,7 +12,8 @@ gets an id, its segment (rows past ``cu_seqlens[-1]`` get one id of their own, t
   still finite in the fp32 accumulator), whose softmax weight is exactly 0 whenever the row's own best score is
   above ``-C^2 * scale + 100``: against the confined (finite) v it adds an exact 0.
 
-The columns take head-dim room: 72 + 2 columns run at 80 (one image, the padding rows its second id), 72 + 10 at
+Each kernel is the first choice of SDPA's priority list, the memory-efficient kernel and math after it, so a shape
+the named kernel cannot run (a call at exact size below every bucket) still runs. The columns take head-dim room: 72 + 2 columns run at 80 (one image, the padding rows its second id), 72 + 10 at
 88 (16 segment slots). The columns are appended and the width rounded up to a multiple of 8; v is padded with
 zeros to the same width and the output sliced back. The work is quadratic in the bucket's rows, not per segment:
 ``attention_backend="auto"`` keeps it only for the buckets where timing says it is fastest (one large image).
@@ -32,6 +33,10 @@ __all__ = ["cudnn", "flash", "efficient", "separation_columns", "MAX_WIDTH"]
 
 MAX_WIDTH = 256
 """The widest head dim (with the columns) the dense kernels are asked to run; wider raises (too many segments)."""
+
+_FALLBACKS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""Where the named kernel cannot run a shape (cuDNN refuses a single key row, say): the memory-efficient kernel,
+which runs any fp16/bf16 CUDA shape at a multiple-of-8 width, then math (CPU)."""
 
 _SEPARATION = {torch.bfloat16: 2.0**60, torch.float16: 2.0**15, torch.float32: 2.0**60, torch.float64: 2.0**60}
 
@@ -63,7 +68,7 @@ def _dense(backend: SDPBackend):
         k = torch.cat([k, k_columns[:, None, :].expand(rows, heads, -1), k.new_zeros(rows, heads, extra)], dim=-1)
         v = F.pad(v, (0, width - head_dim))
         scale = head_dim**-0.5 if scale is None else scale
-        with sdpa_kernel([backend]):
+        with sdpa_kernel([backend, *_FALLBACKS], set_priority=True):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale
             )
