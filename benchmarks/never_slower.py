@@ -25,8 +25,8 @@ into attention, GEMMs and the rest (``kernel_split``).
 ``--fa4`` records a run with FlashAttention-4 installed (refused when it is not); the report then goes to
 ``never_slower_<device>_fa4.json``. Without it the report says whether FA4 was installed anyway.
 
-    python benchmarks/never_slower.py                                   # every tower (about 15 min on an H100)
-    python benchmarks/never_slower.py --towers qwen3_vl so400m-384      # a subset
+    python benchmarks/never_slower.py                                   # every tower (about 20 min on an H100)
+    python benchmarks/never_slower.py --towers qwen3_vl so400m-384      # a subset (each tower 1-3 min)
     python benchmarks/never_slower.py --toy                             # tiny towers on the CPU: the logic only
 
 Writes ``benchmarks/results/never_slower_<device>[_fa4].json`` unless ``--json`` names another path.
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import importlib.util
 import pathlib
 import time
@@ -290,6 +291,7 @@ def main(argv=None) -> dict[str, Any]:
         except Exception as error:  # a tower that breaks is reported, never dropped
             report["towers"][name] = {"failed": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
             print(f"{name} failed: {report['towers'][name]['failed']}", flush=True)
+        gc.collect()  # the tower, its graphs and their pool, before the next tower is built
         if args.device == "cuda":
             torch.cuda.empty_cache()
     report["slower"] = [

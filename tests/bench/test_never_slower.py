@@ -14,8 +14,8 @@ def test_toy_run_compares_every_case_and_every_call_choice(tmp_path):
     path = tmp_path / "report.json"
     script = benchmark_script("never_slower")
     report = script.main(
-        ["--toy", "--towers", "qwen2_vl", "so400m-384", "--mix", "4", "--mix-warmup", "1", "--repeats", "1",
-         "--warmup", "1", "--json", str(path)]
+        ["--toy", "--towers", "qwen2_vl", "so400m-384", "--mix", "4", "--mix-tower", "qwen2_vl", "--mix-warmup", "1",
+         "--repeats", "1", "--warmup", "1", "--json", str(path)]
     )  # fmt: skip
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     assert list(report["towers"]["qwen2_vl"]["cases"]) == list(script.PACKED_CASES)
@@ -33,7 +33,7 @@ def test_toy_run_compares_every_case_and_every_call_choice(tmp_path):
     assert mix["choices"]["stock"] == {"stock module": 4} and mix["choices"]["exact_size"] == {
         "compiled code at the exact size": 4
     }
-    assert mix["best_fixed"] != "measured" and mix["measured_over_best_fixed"] > 0
+    assert mix["tower"] == "qwen2_vl" and mix["best_fixed"] != "measured" and mix["measured_over_best_fixed"] > 0
     assert "budget 1 dropped" in report["towers"]["so400m-384"]["stats"]
 
 
