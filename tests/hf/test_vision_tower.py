@@ -298,3 +298,19 @@ def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(to
     assert runtime.choices["stock module"] >= 2  # the first call of each bucket
     assert sorted(runtime.stock_ms) == [128, 512]
     assert "per-call choice (measured): padded to the smallest bucket x" in served.stats_table()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_dense_sdpa_kernel_serves_the_tower_equal_to_the_stock_tower(towers, name):
+    """Every site on the dense kernel (one SDPA over the bucket's rows, segments and windows apart by separation
+    columns): padded buckets, several images and a video equal the stock tower."""
+    tower = towers[name]
+    served = compile_vision_tower(
+        tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", attention_backend="dense_flash"
+    )
+    with torch.no_grad():
+        for grid in ([(1, 8, 8)], [(1, 16, 12), (2, 4, 4)], [(1, 4, 8), (1, 8, 4), (3, 8, 8)]):
+            pixel_values, grid_thw = _inputs(tower, grid)
+            _assert_same(served(pixel_values, grid_thw), tower(pixel_values, grid_thw))
+    (runtime,) = served.runtimes
+    assert runtime.hits == 4  # the three calls and the warm-up's synthetic image
