@@ -479,6 +479,11 @@ class VGraphRuntime:
         if self.choices:
             choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in CHOICES)
             lines.append(f"per-call choice ({self.call_choice}): {choices}")
+        if self.costs is not None:
+            lines.append("measured costs (ms):\n" + self.costs.format())
+        for budget, samples in sorted(self.stock_ms.items()):
+            timed = ", ".join(f"{rows} rows {ms:.3f} ms" for rows, ms in samples)
+            lines.append(f"stock module timed in bucket {budget}: {timed}")
         for dropped in self.encoder.dropped:
             lines.append(dropped.format())
         for miss in self.misses.values():
