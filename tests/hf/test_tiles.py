@@ -340,3 +340,19 @@ def test_a_tile_count_the_trace_excludes_is_counted_and_listed_with_its_guard_an
     table = compiled.stats_table()
     assert "budget 1 dropped: the trace's guard Ne(N, 1) on the tile count N fails there" in table
     assert "multi_head_attention_forward" in table and "its calls pad to the next bucket" in table
+
+
+def test_exact_size_runs_where_the_guards_hold_and_pads_where_they_do_not():
+    """call_choice="exact_size" on SigLIP with its MAP head: N = 3 and 5 run the compiled code at their own sizes;
+    N = 1 breaks the trace's guard N != 1, so it replays the bucket of 2. All equal the stock tower."""
+    tower = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY)).eval()
+    compiled = compile_tile_tower(tower, max_items=6, exact_items=2, compiler="eager", call_choice="exact_size")
+    with torch.no_grad():
+        compiled(_pixels(2))  # the trace
+        with counters.expect(replays=1):
+            for tiles in (3, 1, 5):
+                pixels = _pixels(tiles, seed=tiles)
+                _assert_outputs_equal(compiled(pixels), tower(pixels))
+    (runtime,) = compiled.runtimes
+    assert runtime.choices["compiled code at the exact size"] == 3  # the trace's call, N = 3 and N = 5
+    assert runtime.choices["padded to the smallest bucket"] == 1

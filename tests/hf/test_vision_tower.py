@@ -314,3 +314,21 @@ def test_dense_sdpa_kernel_serves_the_tower_equal_to_the_stock_tower(towers, nam
             _assert_same(served(pixel_values, grid_thw), tower(pixel_values, grid_thw))
     (runtime,) = served.runtimes
     assert runtime.hits == 4  # the three calls and the warm-up's synthetic image
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_exact_size_choice_runs_the_compiled_tower_unpadded_equal_to_the_stock_tower(towers, name):
+    """call_choice="exact_size": every call runs the compiled code at its own sizes (window index, offsets and
+    position ids unpadded), no replay, equal to the stock tower."""
+    tower = towers[name]
+    served = compile_vision_tower(
+        tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", call_choice="exact_size"
+    )
+    with torch.no_grad():
+        served.warmup()
+        with counters.expect(replays=0):
+            for grid in ([(1, 8, 8)], [(1, 16, 12), (2, 4, 4)], [(1, 4, 8), (1, 8, 4), (3, 8, 8)]):
+                pixel_values, grid_thw = _inputs(tower, grid)
+                _assert_same(served(pixel_values, grid_thw), tower(pixel_values, grid_thw))
+    (runtime,) = served.runtimes
+    assert runtime.choices["compiled code at the exact size"] == 4  # the three calls and the warm-up's image
