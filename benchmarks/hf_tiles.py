@@ -28,37 +28,15 @@ import torch
 
 from vgraph_compile.bench.flops import matmul_peak_tflops
 from vgraph_compile.bench.report import write_report
+from vgraph_compile.bench.tile_towers import TILE_TOWERS, build_tile_tower
 from vgraph_compile.bench.timing import median_ms, synchronize
 from vgraph_compile.counters import counters
 from vgraph_compile.hf.tiles import compile_tile_tower
 
 TILES = (1, 4, 7, 13)
-TOWERS = {
-    "idefics3-384": ("Idefics3VisionConfig", "Idefics3VisionTransformer", dict(image_size=384, patch_size=14)),
-    "internvit-448": ("InternVLVisionConfig", "InternVLVisionModel", dict(image_size=[448, 448], patch_size=[14, 14])),
-    "gemma3-896": (
-        "SiglipVisionConfig", "SiglipVisionModel", dict(image_size=896, patch_size=14, vision_use_head=False)
-    ),
-}
-"""Tower name -> (config class, model class, what differs from So400m / InternViT-300M's released sizes)."""
-SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16)
-INTERNVIT_300M = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
-TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+TOWERS = {name: TILE_TOWERS[name] for name in ("idefics3-384", "internvit-448", "gemma3-896")}
+"""The towers this benchmark times (``bench.tile_towers``)."""
 SYSTEMS = ("hf_eager", "torch_compile_default", "torch_compile_reduce_overhead_exact", "vgraph")
-
-
-def build_tower(name: str, toy: bool, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    import transformers
-
-    config_class, model_class, sizes = TOWERS[name]
-    released = INTERNVIT_300M if name.startswith("internvit") else SO400M
-    if toy:
-        pair = isinstance(sizes["image_size"], list)
-        sizes = {**sizes, "image_size": [32, 32] if pair else 32, "patch_size": [8, 8] if pair else 8}
-    config = getattr(transformers, config_class)(**(TOY if toy else released), **sizes)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return getattr(transformers, model_class)(config).to(device=device, dtype=dtype).eval()
 
 
 def tile_flops(tower: torch.nn.Module) -> float:
@@ -85,8 +63,8 @@ def _timed_first_call(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
 
 
 def run_tower(name: str, args, device: str, dtype: torch.dtype, peak: float | None) -> dict[str, Any]:
-    tower = build_tower(name, args.toy, dtype, device)
-    reference = build_tower(name, args.toy, torch.float32, device)
+    tower = build_tile_tower(name, args.toy, dtype, device)
+    reference = build_tile_tower(name, args.toy, torch.float32, device)
     reference.load_state_dict(tower.state_dict())
     config = tower.config
     size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]

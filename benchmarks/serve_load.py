@@ -109,7 +109,8 @@ def clocked(manager: type, path: str) -> type:
 
 
 def serve_main(system: str, clock_path: str, arguments: list[str], vgraph_arguments: list[str]) -> None:
-    from vgraph_compile import cli, server
+    from vgraph_compile import cli
+    from vgraph_compile.hf import server
 
     if system == "vgraph":
         parser = argparse.ArgumentParser()

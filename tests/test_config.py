@@ -33,7 +33,10 @@ def test_defaults():
         (dict(max_segments=0), "max_segments must be positive"),
         (dict(attention_backend="flash"), "attention_backend='flash' is unknown"),
         (dict(compiler="aot"), "compiler='aot' is unknown"),
-        (dict(call_choice="fastest"), "call_choice='fastest' is unknown: use 'measured' or 'smallest_bucket'"),
+        (
+            dict(call_choice="fastest"),
+            r"call_choice='fastest' is unknown: use one of \['measured', 'smallest_bucket', 'exact_size', 'stock'\]",
+        ),
         (dict(window_offsets="cu_windows"), r"window_offsets='cu_windows' is a string: .* \('cu_windows',\)"),
     ],
 )

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vgraph_compile.kernels.registry import BACKENDS, AttentionBackendName
+
+CALL_CHOICES = ("measured", "smallest_bucket", "exact_size", "stock")
+"""The values of ``VGraphConfig.call_choice``."""
 from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["VGraphConfig", "generate_budgets"]
@@ -60,11 +63,15 @@ class VGraphConfig:
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
-    call_choice: Literal["measured", "smallest_bucket"] = "smallest_bucket"
+    call_choice: Literal["measured", "smallest_bucket", "exact_size", "stock"] = "smallest_bucket"
     """How a call that fits a bucket is run. measured: the cheapest of padding it to the smallest bucket, splitting
-    it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``) and running it
-    eagerly, by the cost table timed at warm-up (``serve/call_costs``; the warm-up then also runs the eager
-    graph at every bucket's sizes); smallest_bucket: always the smallest bucket."""
+    it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``), running the
+    compiled code at the call's exact sizes with no graph, and the user's own module, by the cost table timed at
+    warm-up (``serve/call_costs``: the warm-up then also runs the compiled code at every bucket's sizes) and
+    the stock module's times on real calls (``serve/runtime``); smallest_bucket: always the smallest bucket;
+    exact_size: always the compiled code at the call's sizes where its size guards allow, else the smallest
+    bucket; stock: always the user's module where the caller can run it (``vgraph_compile.encoder`` and the HF
+    towers can), else the smallest bucket. The last two are fixed choices, for comparing against measured."""
     compiler: Literal["inductor", "eager"] = "inductor"
     """What compiles the rewritten graph (once, for every bucket): inductor, or nothing, running the FX graph as is
     (fast to build; for tests and debugging)."""
@@ -148,9 +155,9 @@ class VGraphConfig:
             )
         object.__setattr__(self, "segments", segments)
 
-        if self.call_choice not in ("measured", "smallest_bucket"):
+        if self.call_choice not in CALL_CHOICES:
             raise ValueError(
-                f"VGraphConfig.call_choice={self.call_choice!r} is unknown: use 'measured' or 'smallest_bucket'"
+                f"VGraphConfig.call_choice={self.call_choice!r} is unknown: use one of {list(CALL_CHOICES)}"
             )
         if self.attention_backend not in ("auto", "default", *BACKENDS):
             raise ValueError(

@@ -132,6 +132,8 @@ def compile_trace(
         prepared=rewritten.prepared,
         artifact_key=result.artifact_key,
         graph=rewritten.compiled if ctx.config.compiler == "eager" else None,
+        size_guards=result.guards,
+        dropped=tuple(ctx.dropped),
     )
     return result.run, record
 

@@ -219,6 +219,24 @@ class BucketShape:
         return f"budget {self.budget}: segments={list(self.segments)} max_seqlen={list(self.max_seqlen)} ({values})"
 
 
+@dataclass(frozen=True)
+class DroppedBucket:
+    """A budget given up, and why in the user's terms: the guard that fails at its size and the op whose trace (or
+    compile) made it, or what ran out."""
+
+    budget: int
+    reason: str
+
+    def format(self) -> str:
+        return f"budget {self.budget} dropped: {self.reason}"
+
+
+def guard_origin(guard: Any) -> str:
+    """Where a ShapeEnv guard came from, as dynamo records it (the user's line, then the framework's op line)."""
+    origin = str(getattr(guard, "sloc", "") or "").strip()
+    return origin or "an unrecorded place"
+
+
 @dataclass
 class PassContext:
     """What every pass may read: the trace, its ShapeEnv, the config; analyses fill ``spec`` and ``buckets``."""
@@ -232,3 +250,5 @@ class PassContext:
     buckets: tuple[BucketShape, ...] = ()
     kernels: Mapping[int, str] = field(default_factory=dict)
     """Attention group -> kernel the build measured as fastest (``attention_backend="auto"`` on CUDA)."""
+    dropped: list[DroppedBucket] = field(default_factory=list)
+    """Budgets the analyses or the compile gave up, each with its reason (``stats_table()`` lists them)."""

@@ -30,8 +30,9 @@ def test_a_specialization_is_checked_at_the_bucket_sizes_not_through_its_replace
     shape_env = ShapeEnv()
     offsets = shape_env.create_symbol(3, ConstantSource("cu_seqlens.shape[0]"))
     assert bool(shape_env.create_symintnode(offsets, hint=3) == 3)
-    guard, replacement = _added_constraints(shape_env, 0, {})
+    (guard, origin), (replacement, specialized) = _added_constraints(shape_env, 0, {})
     assert guard == replacement == sympy.Eq(offsets, 3)
+    assert "test_inductor.py" in origin and specialized == "a size inductor specialized"
     assert shape_env.replace(guard) == sympy.true  # what hid the failure
     padded = BucketShape(64, {offsets: 7}, (6,), (64,))
     pinned = BucketShape(64, {offsets: 3}, (2,), (64,), frozenset({offsets}))

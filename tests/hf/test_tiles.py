@@ -322,3 +322,37 @@ def test_vlm_logits_and_greedy_tokens_with_the_tile_tower(family):
     assert torch.equal(served_tokens, tokens)
     assert list(model.state_dict()) == keys
     assert tower.stock_calls == 0 and sum(runtime.hits for runtime in tower.runtimes) >= 2
+
+
+def test_a_tile_count_the_trace_excludes_is_counted_and_listed_with_its_guard_and_op():
+    """SigLIP with its MAP head: nn.MultiheadAttention runs its key projection on a transposed [L, N, E] view, and
+    linear's contiguity check guards N != 1, so one tile pads to the bucket of 2. That is counted, logged and
+    listed by stats_table with the guard and the op, never silent; the call stays eager-equal."""
+    config = transformers.SiglipVisionConfig(**TINY)
+    tower = transformers.SiglipVisionModel(config).eval()
+    compiled = compile_tile_tower(tower, max_items=3, exact_items=3, compiler="eager")
+    with torch.no_grad(), counters.expect(buckets_dropped=1, replays=2, traces=1, buckets_built=2):
+        compiled(_pixels(2))
+        pixels = _pixels(1, seed=1)
+        _assert_outputs_equal(compiled(pixels), tower(pixels))
+    (runtime,) = compiled.runtimes
+    assert [bucket.shape.budget for bucket in runtime.buckets] == [2, 3]
+    table = compiled.stats_table()
+    assert "budget 1 dropped: the trace's guard Ne(N, 1) on the tile count N fails there" in table
+    assert "multi_head_attention_forward" in table and "its calls pad to the next bucket" in table
+
+
+def test_exact_size_runs_where_the_guards_hold_and_pads_where_they_do_not():
+    """call_choice="exact_size" on SigLIP with its MAP head: N = 3 and 5 run the compiled code at their own sizes;
+    N = 1 breaks the trace's guard N != 1, so it replays the bucket of 2. All equal the stock tower."""
+    tower = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY)).eval()
+    compiled = compile_tile_tower(tower, max_items=6, exact_items=2, compiler="eager", call_choice="exact_size")
+    with torch.no_grad():
+        compiled(_pixels(2))  # the trace
+        with counters.expect(replays=1):
+            for tiles in (3, 1, 5):
+                pixels = _pixels(tiles, seed=tiles)
+                _assert_outputs_equal(compiled(pixels), tower(pixels))
+    (runtime,) = compiled.runtimes
+    assert runtime.choices["compiled code at the exact size"] == 3  # the trace's call, N = 3 and N = 5
+    assert runtime.choices["padded to the smallest bucket"] == 1

@@ -278,3 +278,57 @@ def test_every_way_of_passing_pixels_and_grid_is_served_alike(towers, compiled, 
     for out in outputs[:3]:
         _assert_same(out, ref)
     torch.testing.assert_close(outputs[3][0], ref.to_tuple()[0], rtol=1e-5, atol=1e-5)
+
+
+def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(towers):
+    """With call_choice="measured", the first call of a bucket runs the stock tower (its own sdpa attention, not
+    vgraph's op), timed; every later call takes the cheapest of replay, exact size and stock. Each equals the stock
+    tower, and stats_table counts the choices."""
+    tower = towers["qwen3-vl"]
+    served = compile_vision_tower(
+        tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", call_choice="measured"
+    )
+    with torch.no_grad():
+        for grid in ([(1, 8, 8)], [(1, 8, 8)], [(1, 16, 12), (2, 4, 4)], [(1, 8, 12)]):
+            pixel_values, grid_thw = _inputs(tower, grid)
+            out = served(pixel_values, grid_thw)
+            _assert_same(out, tower(pixel_values, grid_thw))
+    (runtime,) = served.runtimes
+    assert sum(runtime.choices.values()) == 5  # the four calls and the warm-up's synthetic image
+    assert runtime.choices["stock module"] >= 2  # the first call of each bucket
+    assert sorted(runtime.stock_ms) == [128, 512]
+    assert "per-call choice (measured): padded to the smallest bucket x" in served.stats_table()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_dense_sdpa_kernel_serves_the_tower_equal_to_the_stock_tower(towers, name):
+    """Every site on the dense kernel (one SDPA over the bucket's rows, segments and windows apart by separation
+    columns): padded buckets, several images and a video equal the stock tower."""
+    tower = towers[name]
+    served = compile_vision_tower(
+        tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", attention_backend="dense_flash"
+    )
+    with torch.no_grad():
+        for grid in ([(1, 8, 8)], [(1, 16, 12), (2, 4, 4)], [(1, 4, 8), (1, 8, 4), (3, 8, 8)]):
+            pixel_values, grid_thw = _inputs(tower, grid)
+            _assert_same(served(pixel_values, grid_thw), tower(pixel_values, grid_thw))
+    (runtime,) = served.runtimes
+    assert runtime.hits == 4  # the three calls and the warm-up's synthetic image
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_exact_size_choice_runs_the_compiled_tower_unpadded_equal_to_the_stock_tower(towers, name):
+    """call_choice="exact_size": every call runs the compiled code at its own sizes (window index, offsets and
+    position ids unpadded), no replay, equal to the stock tower."""
+    tower = towers[name]
+    served = compile_vision_tower(
+        tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", call_choice="exact_size"
+    )
+    with torch.no_grad():
+        served.warmup()
+        with counters.expect(replays=0):
+            for grid in ([(1, 8, 8)], [(1, 16, 12), (2, 4, 4)], [(1, 4, 8), (1, 8, 4), (3, 8, 8)]):
+                pixel_values, grid_thw = _inputs(tower, grid)
+                _assert_same(served(pixel_values, grid_thw), tower(pixel_values, grid_thw))
+    (runtime,) = served.runtimes
+    assert runtime.choices["compiled code at the exact size"] == 4  # the three calls and the warm-up's image

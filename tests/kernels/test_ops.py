@@ -65,7 +65,7 @@ def test_resolve_rejects_unknown_and_unsupported_backends():
 
 
 @given(lengths=segment_lists, padding=st.integers(0, 8))
-def test_packed_reference_reads_element_offsets_like_the_kernel(lengths, padding):
+def test_qkv_offsets_reference_reads_element_offsets_like_the_kernel(lengths, padding):
     """Q/K/O offsets count heads*head_dim per row, V offsets the fused qkv stride (3x): real rows equal the
     per-segment reference, rows past the last offset are zero."""
     if sum(lengths) + padding == 0:

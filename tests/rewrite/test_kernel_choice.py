@@ -4,7 +4,14 @@ import logging
 
 import torch
 
-from vgraph_compile.rewrite.kernel_choice import _candidates, fastest_kernel, load_timings, save_timings
+from vgraph_compile.rewrite.kernel_choice import (
+    GroupShape,
+    _candidates,
+    fastest_kernel,
+    group_offsets,
+    load_timings,
+    save_timings,
+)
 
 
 def test_fastest_wins_failures_are_skipped_and_timings_cached(caplog):
@@ -43,8 +50,15 @@ def test_no_kernel_ran():
 
 def test_auto_never_times_the_reference_or_flex():
     """Both run on the CPU in fp32, yet auto times neither (the reference is never fastest; flex compiles per
-    shape and was slowest on every measured shape)."""
-    assert _candidates(torch.device("cpu"), torch.float32) == []
+    shape and was slowest on every measured shape); the dense SDPA kernel it does time runs there too."""
+    assert _candidates(torch.device("cpu"), torch.float32) == ["dense_flash"]
+
+
+def test_full_call_offsets_are_padded_to_the_bucket_capacity():
+    """A bucket one image fills: one segment, then empty ones up to the capacity; a ragged last segment is kept."""
+    assert group_offsets(GroupShape(100, 100, 3, 2, 8, torch.float16)).tolist() == [0, 100, 100, 100]
+    assert group_offsets(GroupShape(100, 40, 4, 2, 8, torch.float16)).tolist() == [0, 40, 80, 100, 100]
+    assert group_offsets(GroupShape(120, 40, 2, 2, 8, torch.float16)).tolist() == [0, 40, 80, 120]
 
 
 def test_timings_file_merges_writers_and_is_replaced_whole(tmp_path):

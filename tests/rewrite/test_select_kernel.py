@@ -6,6 +6,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from tests.helpers import op_count
+from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.ops import VARLEN_ATTENTION
 from vgraph_compile.rewrite import select_kernel
 from vgraph_compile.analyze import analyze
@@ -32,3 +33,15 @@ def test_site_names_the_configured_kernel(tiny):
     assert op_count(rewritten, VARLEN_ATTENTION.default) == op_count(gm, VARLEN_ATTENTION.default) == 1
     assert len(rewritten.graph.nodes) == len(gm.graph.nodes)
     assert select_kernel.kernels_used(rewritten) == {("sdpa", torch.device("cpu"))}
+
+
+def test_a_per_bucket_choice_is_one_argument_and_each_kernel_is_prepared(tiny):
+    """A group timed to different kernels per bucket (``registry.by_rows``) names them all in its one site, the
+    build prepares each, and the stats name the choice (the op's pick by rows: ``tests/kernels/test_dense.py``)."""
+    _, gm, ctx = tiny
+    analyze(gm, ctx)
+    ctx.kernels = {0: registry.by_rows({16: "dense_flash", 64: "sdpa"})}
+    rewritten = apply_pass("select_kernel", select_kernel.run, copy.deepcopy(gm), ctx)
+    assert _site(rewritten).kwargs == {"backend": "16:dense_flash;64:sdpa"}
+    assert select_kernel.kernels_used(rewritten) == {("dense_flash", torch.device("cpu")), ("sdpa", torch.device("cpu"))}
+    assert select_kernel.kernels_by_group(rewritten, ctx) == {0: "16:dense_flash;64:sdpa"}

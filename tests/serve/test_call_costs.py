@@ -1,4 +1,4 @@
-"""compile/call_costs: the table's eager time between budgets, and the warm-up's measurement of a real encoder,
+"""compile/call_costs: the table's exact-size time between budgets, and the warm-up's measurement of a real encoder,
 each bucket timed full (random token rows, segments of the bucket's max_seqlen up to its rows)."""
 
 import pytest
@@ -9,20 +9,20 @@ from vgraph_compile.serve.call_costs import CallCosts, fill_full
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 
-def test_eager_time_is_linear_between_budgets_and_held_below_the_smallest():
-    costs = CallCosts(budgets=(16, 64, 128), replay_ms=(1.0, 2.0, 3.0), eager_ms=(4.0, 8.0, 16.0))
-    assert costs.eager(8) == 4.0  # below the smallest budget: its time
-    assert costs.eager(40) == 6.0  # halfway from 16 to 64: halfway from 4 to 8
-    assert costs.eager(96) == 12.0
-    assert costs.eager(160) == 20.0  # past the largest: the last slope (8 ms per 64 rows)
+def test_exact_size_time_is_linear_between_budgets_and_held_below_the_smallest():
+    costs = CallCosts(budgets=(16, 64, 128), replay_ms=(1.0, 2.0, 3.0), exact_ms=(4.0, 8.0, 16.0))
+    assert costs.exact(8) == 4.0  # below the smallest budget: its time
+    assert costs.exact(40) == 6.0  # halfway from 16 to 64: halfway from 4 to 8
+    assert costs.exact(96) == 12.0
+    assert costs.exact(160) == 20.0  # past the largest: the last slope (8 ms per 64 rows)
     assert costs.replay(64) == 2.0
 
 
 def test_a_table_needs_one_time_per_budget_in_order():
-    with pytest.raises(ValueError, match="one replay and one eager time per budget"):
-        CallCosts(budgets=(64, 16), replay_ms=(1.0, 2.0), eager_ms=(1.0, 2.0))
-    with pytest.raises(ValueError, match="one replay and one eager time per budget"):
-        CallCosts(budgets=(16, 64), replay_ms=(1.0,), eager_ms=(1.0, 2.0))
+    with pytest.raises(ValueError, match="one replay and one exact-size time per budget"):
+        CallCosts(budgets=(64, 16), replay_ms=(1.0, 2.0), exact_ms=(1.0, 2.0))
+    with pytest.raises(ValueError, match="one replay and one exact-size time per budget"):
+        CallCosts(budgets=(16, 64), replay_ms=(1.0,), exact_ms=(1.0, 2.0))
 
 
 def test_the_warmup_times_every_bucket_and_fills_each_full():
@@ -37,7 +37,7 @@ def test_the_warmup_times_every_bucket_and_fills_each_full():
     with torch.no_grad():
         compiled(*pack_images([3, 4], 12))
     runtime = compiled.vgraph.runtimes[0]
-    assert runtime.costs.budgets == (16, 40) and min(runtime.costs.replay_ms + runtime.costs.eager_ms) > 0
+    assert runtime.costs.budgets == (16, 40) and min(runtime.costs.replay_ms + runtime.costs.exact_ms) > 0
     large = runtime.buckets[1]
     roles = runtime.encoder.roles
     fill_full(large, runtime.spec, roles, torch.Generator().manual_seed(1))

@@ -13,7 +13,7 @@ from vgraph_compile.serve.call_costs import CallCosts
 from vgraph_compile.counters import counters
 from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
-from vgraph_compile.serve.runtime import EAGER, PADDED, SPLIT
+from vgraph_compile.serve.runtime import EXACT, PADDED, SPLIT, STOCK
 
 BUDGETS = (16, 64, 128)
 
@@ -136,6 +136,22 @@ def test_inductor_buckets_serve_100_calls_from_one_compile(one_block, inductor_c
             torch.testing.assert_close(inductor_compiled(*inputs), one_block(*inputs), rtol=1e-5, atol=1e-5)
     assert len(inductor_compiled.vgraph.runtimes) == 1
     assert {bucket.stats.hits > 0 for bucket in inductor_compiled.vgraph.runtimes[0].buckets} == {True}
+
+
+def test_inductor_code_runs_at_exact_sizes_without_a_bucket(one_block, inductor_compiled):
+    """call_choice="exact_size": the one inductor compile runs at each call's own sizes (no replay, no padding)
+    and matches eager; the size guards it needs are known from the build."""
+    runtime = inductor_compiled.vgraph.runtimes[0]
+    assert runtime.encoder.record.size_guards is not None
+    runtime.call_choice = "exact_size"
+    try:
+        with torch.no_grad(), counters.expect(replays=0):
+            for lengths in ([3], [7, 9, 1], [40, 41, 20]):
+                inputs = pack_images(lengths, 12)
+                torch.testing.assert_close(inductor_compiled(*inputs), one_block(*inputs), rtol=1e-5, atol=1e-5)
+        assert runtime.choices[EXACT] == 3
+    finally:
+        runtime.call_choice = "smallest_bucket"
 
 
 def test_grad_modes_never_retrace(one_block, inductor_compiled):
@@ -348,14 +364,17 @@ def test_a_nonfinite_value_stays_in_its_segment(one_block, inductor_compiled, po
 
 # -- the per-call choice by measured costs -----------------------------------------------------------------------
 
-COSTS = CallCosts(budgets=BUDGETS, replay_ms=(1.0, 2.0, 10.0), eager_ms=(5.0, 6.0, 7.0))
+COSTS = CallCosts(budgets=BUDGETS, replay_ms=(1.0, 2.0, 10.0), exact_ms=(5.0, 6.0, 7.0))
 """A cost table of the shape a large encoder measures at its largest bucket: replays grow with the budget, the
-128 bucket costing more than two 64s and more than eager near 70 rows (eager: 6 + 1/64 ms per row over 64)."""
+128 bucket costing more than two 64s and more than the exact-size run near 70 rows (6 + 1/64 ms per row over 64)."""
+STOCK_MS = {16: [(10, 4.0)], 64: [(40, 8.0)], 128: [(70, 3.5)]}
+"""Stock timings that stand for the calls below: dearer than every other choice but at 70 rows in one segment."""
 
 
 @pytest.fixture(scope="module")
 def routed(model):
-    """Served with ``call_choice="measured"``: the warm-up (first call) times each bucket and the eager graph."""
+    """Served with ``call_choice="measured"``: the warm-up (first call) times each bucket's replay and its compiled
+    code without a graph."""
     compiled = vgraph_compile.encoder(
         model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa", call_choice="measured"
     )
@@ -364,26 +383,41 @@ def routed(model):
     return compiled, compiled.vgraph.runtimes[0]
 
 
-def test_the_warmup_measures_a_replay_and_an_eager_time_per_bucket(routed):
+def _table(runtime, stock_ms):
+    runtime.costs = COSTS
+    runtime.stock_ms = {budget: list(samples) for budget, samples in stock_ms.items()}
+    runtime._routes.clear()
+
+
+def test_the_warmup_measures_a_replay_and_an_exact_size_time_per_bucket(routed):
     costs = routed[1].costs
     assert costs.budgets == BUDGETS
-    assert all(ms > 0 for ms in costs.replay_ms + costs.eager_ms)
+    assert all(ms > 0 for ms in costs.replay_ms + costs.exact_ms)
 
 
 @pytest.mark.parametrize(
-    "lengths, choice, replays",
+    "lengths, stock_ms, choice, replays",
     [
-        ([10], PADDED, 1),  # bucket 16 at 1.0 ms against eager at 5.0; no two buckets cost under 1.0
-        ([20, 20], PADDED, 1),  # bucket 64 at 2.0; the cheapest pair holding 40 rows (16 + 64) costs 3.0
-        ([35, 35], SPLIT, 2),  # bucket 128 at 10.0, eager ~6.1; cut after segment 1: 64 + 64 = 4.0
-        ([10, 60], SPLIT, 2),  # 70 rows again; cut after segment 1: 16 + 64 = 3.0
-        ([70], EAGER, 0),  # one segment cannot be cut; eager ~6.1 against the 128 bucket's 10.0
+        ([10], STOCK_MS, PADDED, 1),  # bucket 16 at 1.0 ms against exact 5.0, stock 4.0; no pair under 1.0
+        ([20, 20], STOCK_MS, PADDED, 1),  # bucket 64 at 2.0; the cheapest pair holding 40 rows (16 + 64) costs 3.0
+        ([35, 35], STOCK_MS, STOCK, 0),  # bucket 128 at 10.0, exact ~6.1, stock 3.5; a cut (64 + 64 = 4.0) is dearer
+        ([35, 35], {128: [(70, 9.0)]}, SPLIT, 2),  # exact ~6.1 the cheapest whole; cut after segment 1: 4.0
+        ([35, 35], {}, SPLIT, 2),  # the same call, stock untimed but not offered past the first: 64 + 64 = 4.0
+        ([70], {128: [(70, 9.0)]}, EXACT, 0),  # one segment cannot be cut; exact ~6.1 < stock 9.0 < replay 10.0
+        ([70], STOCK_MS, STOCK, 0),  # stock 3.5 < exact ~6.1
     ],
 )
-def test_the_choice_follows_the_cost_table(model, routed, lengths, choice, replays):
+def test_the_choice_follows_the_cost_table(model, routed, lengths, stock_ms, choice, replays):
     compiled, runtime = routed
-    runtime.costs = COSTS
+    _table(runtime, stock_ms)
     inputs = pack_images(lengths, 12)
+    if not stock_ms:  # the first call the bucket gets runs the stock module, timed
+        with torch.no_grad(), counters.expect(replays=0):
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+        ((rows, ms),) = runtime.stock_ms[128]
+        assert rows == 70 and ms > 0
+        runtime.stock_ms[128] = [(70, 100.0)]
+        runtime._routes.clear()
     before = runtime.choices.copy()
     with torch.no_grad(), counters.expect(replays=replays):
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
@@ -391,17 +425,26 @@ def test_the_choice_follows_the_cost_table(model, routed, lengths, choice, repla
     assert f"{choice} x{runtime.choices[choice]}" in compiled.vgraph.runtimes[0].stats_table()
 
 
+def test_stock_is_timed_again_for_rows_far_from_its_timings(routed):
+    """A stock timing at 40 rows stands for 33..50 rows; 60 rows in the same bucket is timed afresh."""
+    compiled, runtime = routed
+    _table(runtime, {64: [(40, 100.0)]})
+    with torch.no_grad():
+        compiled(*pack_images([30, 30], 12))
+    assert [rows for rows, _ in runtime.stock_ms[64]] == [40, 60]
+
+
 @given(lengths=segments.filter(lambda lengths: sum(lengths) <= BUDGETS[-1]))
 def test_every_choice_matches_eager_and_counts_its_replays(model, routed, lengths):
     """Whatever the table picks, the rows equal eager's (fp32, 1e-5, NaN never passes), a padded call replays one
-    bucket, a split call two and an eager call none."""
+    bucket, a split call two, an exact-size or stock call none."""
     compiled, runtime = routed
-    runtime.costs = COSTS
+    _table(runtime, {budget: [(rows, ms * 1.6)] for budget, [(rows, ms)] in STOCK_MS.items()})
     inputs = pack_images(lengths, 12)
     before, replays = runtime.choices.copy(), counters.replays
     with torch.no_grad():
         out = compiled(*inputs)
     (choice,) = (runtime.choices - before).keys()
-    assert counters.replays - replays == {PADDED: 1, SPLIT: 2, EAGER: 0}[choice]
+    assert counters.replays - replays == {PADDED: 1, SPLIT: 2, EXACT: 0, STOCK: 0}[choice]
     assert not out.isnan().any()
     torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)

@@ -37,7 +37,7 @@ import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from vgraph_compile.symbolic import evaluate, substitute, traced_values
-from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
+from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, VarlenSpec
 
 __all__ = [
     "run",
@@ -236,6 +236,7 @@ def bucket_shapes(ctx: PassContext, drop_refused: bool = False) -> list[BucketSh
         except BudgetRefused as refused:
             if not drop_refused:
                 raise
+            ctx.dropped.append(DroppedBucket(budget, f"{refused} (a size inductor pinned while compiling)"))
             log.warning("budget %d dropped: %s", budget, refused)
     return shapes
 

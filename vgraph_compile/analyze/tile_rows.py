@@ -42,7 +42,8 @@ from vgraph_compile.analyze.inputs import feature_sizes, graph_inputs, input_siz
 from vgraph_compile.analyze.roles import other_roles
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.fx_utils import callable_name, example_value, writes_in_place
-from vgraph_compile.spec import PassContext, VarlenSpec
+from vgraph_compile.counters import counters
+from vgraph_compile.spec import DroppedBucket, PassContext, VarlenSpec, guard_origin
 
 __all__ = ["run", "row_dims", "TileMixingError"]
 
@@ -591,17 +592,31 @@ def _untiled(node: torch.fx.Node) -> RowDim:
 
 
 def _reachable_budgets(ctx: PassContext, tiles: sympy.Expr, simplify) -> "VGraphConfig":
-    """The config without the tile counts the trace's guards on N alone exclude (``F.multi_head_attention_forward``
-    guards ``N != 1``, for one): a call of such a count pads to the next bucket."""
-    guards = [simplify(guard.expr) for guard in ctx.shape_env.guards]
-    guards = [guard for guard in guards if guard.free_symbols == tiles.free_symbols]
-    kept = tuple(b for b in ctx.config.budgets if all(guard.xreplace({tiles: b}) != sympy.false for guard in guards))
+    """The config without the tile counts the trace's guards on N alone exclude (a linear of a transposed
+    ``[L, N, E]`` view in ``F.multi_head_attention_forward`` guards ``N != 1``, for one): a call of such a count
+    pads to the next bucket. Each excluded count is recorded in ``ctx.dropped`` with the guard and its op, and
+    counted."""
+    guards = [(simplify(guard.expr), guard) for guard in ctx.shape_env.guards]
+    guards = [(expr, guard) for expr, guard in guards if expr.free_symbols == tiles.free_symbols]
+    kept = []
+    for budget in ctx.config.budgets:
+        failed = [(expr, guard) for expr, guard in guards if expr.xreplace({tiles: budget}) == sympy.false]
+        if not failed:
+            kept.append(budget)
+            continue
+        reason = "; ".join(
+            f"the trace's guard {expr.xreplace({tiles: sympy.Symbol('N')})} on the tile count N fails there (from "
+            f"{guard_origin(guard)})"
+            for expr, guard in failed
+        )
+        ctx.dropped.append(DroppedBucket(budget, reason + "; its calls pad to the next bucket"))
+        counters.buckets_dropped += 1
+        log.warning("tile count %d dropped: %s", budget, reason)
     if not kept:
-        raise ValueError(f"the trace's guards {guards} exclude every tile budget {list(ctx.config.budgets)}")
-    if kept != ctx.config.budgets:
-        log.info("tile counts %s excluded by the trace's guards; they pad to the next bucket",
-                 sorted(set(ctx.config.budgets) - set(kept)))
-    return dataclasses.replace(ctx.config, token_budgets=kept)
+        raise ValueError(
+            f"the trace's guards {[expr for expr, _ in guards]} exclude every tile budget {list(ctx.config.budgets)}"
+        )
+    return dataclasses.replace(ctx.config, token_budgets=tuple(kept))
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

@@ -29,7 +29,7 @@ from vgraph_compile.compile.inductor import CompiledFn
 from vgraph_compile.counters import counters
 from vgraph_compile.rewrite.align_matmuls import PADDED_SHAPE
 from vgraph_compile.fx_utils import example_value
-from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
+from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, VarlenSpec
 
 __all__ = ["assemble", "BuildRecord", "CompiledEncoder", "InputLayout", "cudagraphs_wanted", "input_layout"]
 
@@ -90,6 +90,11 @@ class BuildRecord:
     """The saved artifact holding the compiled code (``compile/artifacts``); None when it is not on disk."""
     graph: torch.fx.GraphModule | None
     """The rewritten graph itself when it runs as is (``compiler="eager"``); None when inductor compiled it."""
+    dropped: tuple[DroppedBucket, ...] = ()
+    """Budgets the analyses and the compile gave up, with their reasons."""
+    size_guards: tuple | None = None
+    """The trace's and the compile's size guards (``compile/inductor.size_guards``): the compiled code may run at a
+    call's exact sizes, with no bucket, where all hold; None: unknown, never run so."""
 
 
 @dataclass
@@ -107,6 +112,8 @@ class CompiledEncoder:
     """Device memory the graphs' shared pool holds after every capture."""
     captured: bool = False
     """Whether ``warmup`` ran (the buckets list is final)."""
+    dropped: list[DroppedBucket] = field(default_factory=list)
+    """Every budget given up: the build's (``BuildRecord.dropped``), then those a capture dropped."""
     strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     """(module parameter, its aligned tensor) of each parameter padded past its first dim and still held twice."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -114,6 +121,7 @@ class CompiledEncoder:
     def __post_init__(self) -> None:
         self.eager, self.kernels, self.folded = self.record.eager, self.record.kernels, self.record.folded
         self.cudagraphs = self.record.cudagraphs
+        self.dropped = list(self.record.dropped)
 
     def warmup(self, prepare: Callable[[Bucket], None]) -> None:
         """Capture every bucket's CUDA graph (largest first, one pool), each after ``prepare(bucket)`` filled its
@@ -127,7 +135,14 @@ class CompiledEncoder:
             if self.cudagraphs:
                 pool = torch.cuda.graph_pool_handle()
                 with torch.inference_mode(False):
-                    self.buckets = bucket_graphs.capture(self.buckets, self.compiled, pool, prepare)
+                    captured = bucket_graphs.capture(self.buckets, self.compiled, pool, prepare)
+                kept = {bucket.shape.budget for bucket in captured}
+                self.dropped += [
+                    DroppedBucket(bucket.shape.budget, "out of GPU memory while capturing its graph")
+                    for bucket in self.buckets
+                    if bucket.shape.budget not in kept
+                ]
+                self.buckets = captured
                 self.pool_bytes = bucket_graphs.pool_bytes(pool)
             self.captured = True
 

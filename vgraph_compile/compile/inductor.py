@@ -35,7 +35,7 @@ from vgraph_compile.compile import artifacts, repeated_blocks
 from vgraph_compile.counters import counters
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import substitute
-from vgraph_compile.spec import BucketShape, PassContext, Role
+from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, guard_origin
 
 if TYPE_CHECKING:
     from vgraph_compile.config import VGraphConfig
@@ -54,6 +54,21 @@ class CompileResult(NamedTuple):
     """The buckets the compiled code serves."""
     artifact_key: str | None
     """The key of the saved artifact holding the compiled code (None: not on disk, a later process compiles)."""
+    guards: tuple[sympy.Expr, ...] | None = None
+    """Every size guard of the trace and the compile (``size_guards``): the compiled code runs at any sizes where
+    all hold. None when unknown (code loaded from an artifact, whose compile's guards were not kept)."""
+
+
+def size_guards(ctx: PassContext) -> tuple[sympy.Expr, ...]:
+    """Every guard in the ShapeEnv, in the symbols the buckets size: any other symbol replaced by what the ShapeEnv
+    equates it to (as ``_holds`` does)."""
+    sized = set().union(*(bucket.values for bucket in ctx.buckets))
+    guards = []
+    for guard in ctx.shape_env.guards:
+        expr = sympy.sympify(guard.expr)
+        others = {symbol: ctx.shape_env.replace(symbol) for symbol in expr.free_symbols if symbol not in sized}
+        guards.append(expr.xreplace(others))
+    return tuple(guards)
 
 
 def load_compiled(config: "VGraphConfig", key: str) -> tuple[CompiledFn, tuple[int, ...]] | None:
@@ -112,11 +127,12 @@ def _holds(guard: sympy.Expr, bucket: BucketShape, shape_env) -> bool | None:
     return None
 
 
-def _added_constraints(shape_env, guards_before: int, replacements_before: dict) -> list[sympy.Expr]:
-    """What inductor assumed while compiling: the guards it added and each new replacement as an equality."""
-    added = [guard.expr for guard in shape_env.guards[guards_before:]]
+def _added_constraints(shape_env, guards_before: int, replacements_before: dict) -> list[tuple[sympy.Expr, str]]:
+    """What inductor assumed while compiling, each with where it came from: the guards it added (their op's line)
+    and each new replacement as an equality."""
+    added = [(guard.expr, guard_origin(guard)) for guard in shape_env.guards[guards_before:]]
     added += [
-        sympy.Eq(symbol, value)
+        (sympy.Eq(symbol, value), "a size inductor specialized")
         for symbol, value in shape_env.replacements.items()
         if replacements_before.get(symbol) != value
     ]
@@ -129,7 +145,7 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
     one matches (``compile/artifacts``), else compiled, and saved unless inductor pinned a size (a loaded artifact
     would not tell the buckets to hold it)."""
     if ctx.config.compiler == "eager":
-        return CompileResult(lambda inputs: gm(*inputs), list(ctx.buckets), None)
+        return CompileResult(lambda inputs: gm(*inputs), list(ctx.buckets), None, size_guards(ctx))
     directory = artifacts.artifact_dir(ctx.config) if artifacts.available() else None
     key = artifacts.artifact_key(gm, ctx) if directory is not None else None
     loaded = load_compiled(ctx.config, key) if key is not None else None
@@ -156,13 +172,13 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
         counters.buckets_dropped += len(ctx.buckets) - len(shapes)
     served = []
     for bucket in shapes:
-        failed = [guard for guard in added if _holds(guard, bucket, ctx.shape_env) is False]
+        failed = [(guard, origin) for guard, origin in added if _holds(guard, bucket, ctx.shape_env) is False]
         if failed:
-            log.warning(
-                "budget %d dropped: the compiled code assumes %s, which fails at that size",
-                bucket.budget,
-                ", ".join(ctx.spec.describe_expr(guard) for guard in failed),
-            )
+            reason = "the compiled code assumes " + "; ".join(
+                f"{ctx.spec.describe_expr(guard)} (from {origin})" for guard, origin in failed
+            ) + ", which fails at that size"
+            ctx.dropped.append(DroppedBucket(bucket.budget, reason))
+            log.warning("budget %d dropped: %s", bucket.budget, reason)
             counters.buckets_dropped += 1
             continue
         served.append(bucket)
@@ -171,4 +187,4 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
         if artifacts.save(directory, key, artifact, tuple(bucket.budget for bucket in served)):
             counters.artifacts_saved += 1
             saved = key
-    return CompileResult(compiled, served, saved)
+    return CompileResult(compiled, served, saved, size_guards(ctx))

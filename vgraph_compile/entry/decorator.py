@@ -28,7 +28,7 @@ from vgraph_compile.entry.trace_options import trace_options
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
-from vgraph_compile.serve.runtime import VGraphRuntime
+from vgraph_compile.serve.runtime import StockServed, VGraphRuntime
 from vgraph_compile.entry import warm_start
 
 __all__ = ["encoder", "CompiledEncoderFunction"]
@@ -38,17 +38,22 @@ log = logging.getLogger(__name__)
 
 class _HotPath:
     """One runtime called straight from the encoder's arguments, past dynamo's guards: the aligned parameters
-    padded past their first dim become views of the graphs' tensors too (``CompiledEncoder.share_strided``)."""
+    padded past their first dim become views of the graphs' tensors too (``CompiledEncoder.share_strided``). With a
+    cost table, the runtime may serve a call by ``stock``, the encoder as written, on the call's own arguments."""
 
-    def __init__(self, runtime: VGraphRuntime, arguments: CallArguments, layout: OutputLayout) -> None:
-        self.runtime, self.arguments, self.layout = runtime, arguments, layout
+    def __init__(
+        self, runtime: VGraphRuntime, arguments: CallArguments, layout: OutputLayout, stock: Callable[..., Any]
+    ) -> None:
+        self.runtime, self.arguments, self.layout, self.stock = runtime, arguments, layout, stock
         runtime.encoder.share_strided()
 
     def __call__(self, args: tuple, kwargs: dict, key: Any = None) -> Any:
         inputs = self.arguments.read(args, kwargs, key)
         if inputs is None:
             return NotImplemented
-        return self.layout.build(self.runtime(*inputs, key=key))
+        stock = functools.partial(self.stock, *args, **kwargs) if self.runtime.offers_stock else None
+        outputs = self.runtime(*inputs, key=key, stock=stock)
+        return outputs.result if isinstance(outputs, StockServed) else self.layout.build(outputs)
 
 
 class CompiledEncoderFunction:
@@ -135,7 +140,7 @@ class CompiledEncoderFunction:
             return NotImplemented
         runtime, arguments, layout = loaded
         self.vgraph.adopt(runtime)
-        self._hot = _HotPath(runtime, arguments, layout)
+        self._hot = _HotPath(runtime, arguments, layout, self.target)
         return self._hot(args, kwargs, key)
 
     def _over_recompile_limit(self, args: tuple, kwargs: dict) -> Any:
@@ -161,7 +166,7 @@ class CompiledEncoderFunction:
         if arguments is None or layout is None:
             return None
         arguments.remember(args, kwargs)
-        return _HotPath(runtime, arguments, layout)
+        return _HotPath(runtime, arguments, layout, self.target)
 
 
 def encoder(fn: Callable[..., Any] | None = None, /, *, config: VGraphConfig | None = None, **options: Any):

@@ -14,9 +14,10 @@ Optional kernels are imported lazily, so a missing package is reported when that
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -26,8 +27,7 @@ class AttentionBackend:
     """One implementation of packed varlen attention."""
 
     name: str
-    """The kernel's name, and its module under ``vgraph_compile.kernels`` (defining
-    ``attention(q, k, v, offsets, max_seqlen, scale)`` and optionally ``prepare(device)``)."""
+    """The kernel's name; its module under ``vgraph_compile.kernels`` too, unless ``module`` names another."""
     supports: Callable[["torch.device", "torch.dtype"], bool]
     """Whether the kernel can run on this device and dtype (checked before a graph is built)."""
     qkv_offsets: bool = False
@@ -45,6 +45,12 @@ class AttentionBackend:
     head_dims: tuple[int, ...] | None = None
     """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
     output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
+
+    module: str | None = None
+    """The module under ``vgraph_compile.kernels`` defining the kernel, where it is not ``name`` (kernels that share
+    one module)."""
+    function: str = "attention"
+    """The kernel's function in its module: ``function(q, k, v, offsets, max_seqlen, scale)``."""
 
     def __post_init__(self) -> None:
         if self.qkv_offsets and self.head_dims is not None:
@@ -86,11 +92,11 @@ class AttentionBackend:
         return self.unavailable(device, dtype) is None
 
     def load(self) -> Callable[..., "torch.Tensor"]:
-        return importlib.import_module(f"vgraph_compile.kernels.{self.name}").attention
+        return getattr(importlib.import_module(f"vgraph_compile.kernels.{self.module or self.name}"), self.function)
 
     def prepare(self, device: "torch.device") -> None:
         """Set up what the kernel keeps across calls (e.g. a workspace) before any graph is captured."""
-        prepare = getattr(importlib.import_module(f"vgraph_compile.kernels.{self.name}"), "prepare", None)
+        prepare = getattr(importlib.import_module(f"vgraph_compile.kernels.{self.module or self.name}"), "prepare", None)
         if prepare is not None:
             prepare(device)
 
@@ -136,6 +142,11 @@ def _cudnn_attention(device: "torch.device", dtype: "torch.dtype") -> bool:
     )
 
 
+def _dense_flash(device: "torch.device", dtype: "torch.dtype") -> bool:
+    """torch's SDPA flash kernel: fp16/bf16 on CUDA, or its CPU kernel (which the CPU tests run)."""
+    return _cuda_half_kernel(device, dtype) or device.type == "cpu"
+
+
 BACKENDS: dict[str, AttentionBackend] = {
     backend.name: backend
     for backend in (
@@ -156,21 +167,57 @@ BACKENDS: dict[str, AttentionBackend] = {
         ),
         AttentionBackend("qkv_offsets_reference", lambda device, dtype: True, qkv_offsets=True),
         AttentionBackend("flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False, confined=True),
+        AttentionBackend("dense_cudnn", _cudnn_attention, module="dense", function="cudnn", confined=True),
+        AttentionBackend("dense_flash", _dense_flash, module="dense", function="flash", confined=True),
+        AttentionBackend("dense_efficient", _cuda_half_kernel, module="dense", function="efficient", confined=True),
     )
 }
-"""Every kernel by its name, written once (``AttentionBackend.name``)."""
+"""Every kernel by its name, written once (``AttentionBackend.name``). The ``dense_*`` kernels run the whole rows
+as one SDPA call (``kernels/dense.py``): the kernels a stock tower's SDPA picks, timed by ``auto`` per bucket beside
+the varlen ones."""
 
 AttentionBackendName = Literal[("default", *BACKENDS)]  # type: ignore[valid-type]
 """Names accepted by the ops' ``backend`` argument, made from ``BACKENDS``. ``"default"`` is a fixed rule
 (``resolve``); the measured choice is ``VGraphConfig.attention_backend="auto"`` (``rewrite/kernel_choice.py``)."""
 
 
-def resolve(name: str, device: "torch.device", dtype: "torch.dtype") -> AttentionBackend:
-    """The backend ``name`` stands for on ``device``/``dtype``.
+def by_rows(choices: "Mapping[int, str]") -> str:
+    """One ``backend`` argument for a kernel per bucket: ``{rows: kernel}`` (the rows of each bucket's attention
+    call) as ``"4096:torch_varlen;16384:dense_cudnn"``. A call takes the entry of the fewest rows at or above its
+    own (the largest past them all); a single kernel is its plain name."""
+    names = set(choices.values())
+    if len(names) == 1:
+        return names.pop()
+    return ";".join(f"{rows}:{choices[rows]}" for rows in sorted(choices))
+
+
+@functools.cache
+def _entries(name: str) -> tuple[tuple[int, str], ...]:
+    entries = []
+    for entry in name.split(";"):
+        rows, _, kernel = entry.partition(":")
+        if not rows.isdigit() or not kernel:
+            raise ValueError(f"attention backend {name!r}: a per-bucket choice is 'rows:kernel;rows:kernel...'")
+        entries.append((int(rows), kernel))
+    return tuple(sorted(entries))
+
+
+def kernel_names(name: str) -> tuple[str, ...]:
+    """The plain kernel names ``name`` stands for (itself, or each of a ``by_rows`` choice)."""
+    return tuple(kernel for _, kernel in _entries(name)) if ":" in name else (name,)
+
+
+def resolve(name: str, device: "torch.device", dtype: "torch.dtype", rows: int | None = None) -> AttentionBackend:
+    """The backend ``name`` stands for on ``device``/``dtype``, for an attention call of ``rows`` rows (None: the
+    largest entry of a ``by_rows`` choice).
 
     ``"default"`` is a fixed rule, no measurement: torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the
     SDPA block-diagonal reference.
     """
+    if ":" in name:
+        entries = _entries(name)
+        chosen = next((kernel for limit, kernel in entries if rows is not None and rows <= limit), entries[-1][1])
+        return resolve(chosen, device, dtype)
     if name == "default":
         return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
     if name not in BACKENDS:

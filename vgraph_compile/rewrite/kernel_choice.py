@@ -1,13 +1,18 @@
-"""``attention_backend="auto"`` on CUDA: each attention group's kernel chosen by timing the installed ones.
+"""``attention_backend="auto"`` on CUDA: each attention group's kernel, per bucket, chosen by timing the installed
+ones.
 
 No kernel wins every shape: cuDNN's ragged attention is ~1.5x FlashAttention-2 on long full-attention segments
-and slower on 64-row windows (BENCHMARKS.md). So each attention group (full attention, window attention) gets
-its own kernel: every installed kernel that runs on the device and dtype is timed on that group's shape in the
-largest bucket (its rows split into segments of the group's max_seqlen) as it is served: the op's call, with
-whatever the kernel needs around it (the NaN/Inf confinement of ``fa4``, head_dim padding), captured in a CUDA graph
-and replayed a few times, so a kernel's host-side launch cost, which replays do not pay, does not count. The
-fastest is kept. A kernel that fails on the shape is skipped with its reason logged. The compiled graph is one for all
-buckets, so the choice is per group, not per bucket.
+and slower on 64-row windows (BENCHMARKS.md), and one dense SDPA call over a bucket that one large image fills
+(``kernels/dense.py``: the kernel the stock tower runs) beats every varlen kernel there and wastes quadratic work
+on a bucket of many small images. So each attention group (full attention, window attention) of each bucket gets
+its own kernel: every installed kernel that runs on the device and dtype is timed on that group's shape in that
+bucket (its rows split into segments of the group's max_seqlen, the offsets padded to the bucket's segment
+capacity with empty segments, as a full call leaves them) as it is served: the op's call, with whatever the kernel
+needs around it (the NaN/Inf confinement, head_dim padding and the dense kernels' separation columns, all counted),
+captured in a CUDA graph and replayed a few times, so a kernel's host-side launch cost, which replays do not pay,
+does not count. The fastest is kept. A kernel that fails on the shape is skipped with its reason logged. The
+compiled graph is one for all buckets: a group whose buckets chose different kernels names them all in one
+``backend`` argument (``registry.by_rows``), and the op picks by its rows when each bucket is captured.
 
 The timings are cached in ``vgraph_kernels.json`` under inductor's cache directory, keyed by device, torch
 version, kernels and shape: a second start with the same model and GPU does not time again.
@@ -29,7 +34,7 @@ from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import evaluate
 from vgraph_compile.spec import PassContext
 
-__all__ = ["choose_kernels", "fastest_kernel", "GroupShape"]
+__all__ = ["choose_kernels", "fastest_kernel", "group_offsets", "GroupShape"]
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +43,12 @@ _REPEATS = 5
 
 @dataclass(frozen=True)
 class GroupShape:
-    """What a group's kernel is timed on: rows, split into segments of ``segment`` rows."""
+    """What a group's kernel is timed on: rows, split into segments of ``segment`` rows, the offsets padded to
+    ``capacity`` segments."""
 
     rows: int
     segment: int
+    capacity: int
     heads: int
     head_dim: int
     dtype: torch.dtype
@@ -50,7 +57,7 @@ class GroupShape:
         name = torch.cuda.get_device_name(device)
         return (
             f"{name}|torch {torch.__version__}|graph replay|{','.join(kernels)}|{self.rows}x{self.heads}x{self.head_dim}"
-            f"/{self.segment}|{self.dtype}"
+            f"/{self.segment}x{self.capacity}|{self.dtype}"
         )
 
 
@@ -70,9 +77,7 @@ def _time_ms(name: str, shape: GroupShape, device: torch.device) -> float:
         torch.randn(shape.rows, shape.heads, shape.head_dim, device=device, dtype=shape.dtype, generator=generator)
         for _ in range(3)
     )
-    cu = torch.arange(0, shape.rows + 1, shape.segment, device=device, dtype=torch.int32)
-    if cu[-1] != shape.rows:
-        cu = torch.cat([cu, torch.tensor([shape.rows], device=device, dtype=torch.int32)])
+    cu = group_offsets(shape).to(device)
     for _ in range(2):  # JIT compiles and plans, outside the capture
         varlen_attention(q, k, v, cu, shape.segment, backend=name)
     torch.cuda.synchronize(device)
@@ -89,6 +94,15 @@ def _time_ms(name: str, shape: GroupShape, device: torch.device) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def group_offsets(shape: GroupShape) -> torch.Tensor:
+    """The offsets a full call leaves: segments of ``shape.segment`` rows up to ``shape.rows``, then empty segments
+    (the last offset repeated) up to ``shape.capacity``."""
+    full = torch.arange(0, shape.rows + shape.segment, shape.segment, dtype=torch.int64).clamp(max=shape.rows)
+    full = torch.unique_consecutive(full)
+    capacity = max(shape.capacity, full.shape[0] - 1)
+    return torch.cat([full, full[-1:].expand(capacity + 1 - full.shape[0])]).to(torch.int32)
 
 
 def fastest_kernel(key: str, names: list[str], cache: dict, time_ms: Callable[[str], float]) -> str | None:
@@ -113,37 +127,46 @@ def _cache_path() -> str:
     return os.path.join(cache_dir(), "vgraph_kernels.json")
 
 
-def _group_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, GroupShape]:
-    largest = max(ctx.buckets, key=lambda bucket: bucket.budget)
+def _group_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, dict[int, GroupShape]]:
+    """Attention group -> {the rows of its attention call in a bucket: its shape there}, for every bucket."""
     nodes = {node.name: node for node in gm.graph.nodes}
-    shapes = {}
+    shapes: dict[int, dict[int, GroupShape]] = {}
     for site in ctx.spec.sites:
         if site.group in shapes:
             continue
         q = example_value(nodes[site.node].args[0])
-        rows = evaluate(site.rows, largest.values, f"the rows of attention site {site.node}")
-        segment = max(1, min(rows, largest.max_seqlen[site.group]))
-        shapes[site.group] = GroupShape(rows, segment, int(q.shape[1]), int(q.shape[2]), q.dtype)
+        shapes[site.group] = {}
+        for bucket in ctx.buckets:
+            rows = evaluate(site.rows, bucket.values, f"the rows of attention site {site.node}")
+            segment = max(1, min(rows, bucket.max_seqlen[site.group]))
+            shape = GroupShape(rows, segment, bucket.segments[site.group], int(q.shape[1]), int(q.shape[2]), q.dtype)
+            shapes[site.group][rows] = shape
     return shapes
 
 
 def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]:
-    """Attention group -> kernel name, timed on CUDA for ``attention_backend="auto"``; empty otherwise."""
+    """Attention group -> its kernel per bucket (``registry.by_rows``; a plain name where every bucket chose the
+    same), timed on CUDA for ``attention_backend="auto"``; empty otherwise."""
     if ctx.config.attention_backend != "auto" or ctx.device.type != "cuda" or not ctx.buckets:
         return {}
     path = _cache_path()
     cache = load_timings(path)
     chosen = {}
-    for group, shape in _group_shapes(gm, ctx).items():
-        names = _candidates(ctx.device, shape.dtype)
-        if len(names) < 2:
-            continue
-        fastest = fastest_kernel(
-            shape.key(ctx.device, names), names, cache, lambda name: _time_ms(name, shape, ctx.device)
-        )
-        if fastest is not None:
-            chosen[group] = fastest
-            log.info("attention group %d: %s (on %s)", group, fastest, shape)
+    for group, by_rows in _group_shapes(gm, ctx).items():
+        fastest = {}
+        for rows, shape in by_rows.items():
+            names = _candidates(ctx.device, shape.dtype)
+            if len(names) < 2:
+                break
+            kernel = fastest_kernel(
+                shape.key(ctx.device, names), names, cache, lambda name: _time_ms(name, shape, ctx.device)
+            )
+            if kernel is None:
+                break
+            fastest[rows] = kernel
+        if fastest and len(fastest) == len(by_rows):
+            chosen[group] = registry.by_rows(fastest)
+            log.info("attention group %d: %s", group, chosen[group])
     save_timings(path, cache)
     return chosen
 

@@ -2,7 +2,8 @@
 
 Invariant: inputs, outputs and every other node are unchanged; only the ``backend`` argument of vgraph's own ops
 moves. It runs on the eager fallback and on the graph inductor compiles alike, so both run the same kernel. A
-site takes its attention group's measured kernel (``ctx.kernels``, from the build's timing) when there is one,
+site takes its attention group's measured kernels (``ctx.kernels``, from the build's timing: one name, or one per
+bucket as ``registry.by_rows`` writes them) when there are some,
 else the configured kernel resolved for the device and dtype of its own q; a site on Q/K/O|V offsets keeps its
 kernel unless a packed one is configured. Nothing is timed or allocated here: the build does that
 (``rewrite/kernel_choice``, ``kernels_used``).
@@ -38,8 +39,13 @@ def _kernel_sites(gm: torch.fx.GraphModule) -> Iterator[Site]:
 
 
 def kernels_used(gm: torch.fx.GraphModule) -> set[tuple[str, torch.device]]:
-    """(kernel name, device) of every site, for the build to prepare before any graph is captured."""
-    return {(get_argument(node, op.backend), example_value(node).device) for node, op in _kernel_sites(gm)}
+    """(kernel name, device) of every kernel a site may run, for the build to prepare before any graph is
+    captured."""
+    return {
+        (kernel, example_value(node).device)
+        for node, op in _kernel_sites(gm)
+        for kernel in registry.kernel_names(get_argument(node, op.backend))
+    }
 
 
 def kernels_by_group(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]:
@@ -56,11 +62,12 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         name = ctx.kernels.get(groups.get(node.name), ctx.config.attention_backend)
         if name == "auto":  # nothing was timed for this group: the ops' fixed rule
             name = "default"
-        configured = registry.resolve(name, q.device, q.dtype)
-        if op.qkv_offsets and not configured.qkv_offsets:
+        kernels = [registry.resolve(kernel, q.device, q.dtype) for kernel in registry.kernel_names(name)]
+        if op.qkv_offsets and not all(kernel.qkv_offsets for kernel in kernels):
             continue
-        if get_argument(node, op.backend) != configured.name:
-            set_argument(node, op.backend, configured.name)
+        chosen = name if len(kernels) > 1 else kernels[0].name
+        if get_argument(node, op.backend) != chosen:
+            set_argument(node, op.backend, chosen)
             rewritten += 1
     counters.nodes_rewritten += rewritten
     log.debug("pointed %d varlen sites at the configured kernel", rewritten)

@@ -1,12 +1,15 @@
-"""The cost table the runtime's per-call choice reads: each bucket's replay time and the eager graph's time at each
-bucket's sizes, measured once at warm-up, after the capture.
+"""The cost table the runtime's per-call choice reads: each bucket's replay time and the compiled code's time at
+each bucket's sizes run without a graph (as a call at its exact sizes runs it), measured once at warm-up, after the
+capture.
 
 Each bucket is timed full, the way large calls use it: its floating token buffers hold random values (never zeros,
 which run faster than real data), and each attention group whose offsets the graph reads as they are
 (``AttentionGroup.ends_at``) is cut into segments of the bucket's ``max_seqlen`` up to its rows (the group's
 costliest valid fill); every other buffer holds what a call with no tokens holds. Times are medians of a few runs
-(CUDA events on CUDA, the host clock on the CPU). The runtime interpolates the eager times between budgets for a
-call's real rows; the replay time of a bucket does not depend on the call it serves.
+(CUDA events on CUDA, the host clock on the CPU). The runtime interpolates the exact-size times between budgets for
+a call's real rows; the replay time of a bucket does not depend on the call it serves. The stock module's time is
+not in this table: the runtime cannot call the user's module from graph inputs, so it times the stock module on the
+first call its caller lets it serve per bucket (``serve/runtime``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from vgraph_compile.serve import fills
 from vgraph_compile.spec import Role, VarlenSpec
 from vgraph_compile.symbolic import evaluate
 
-__all__ = ["CallCosts", "fill_full", "measure_call_costs"]
+__all__ = ["CallCosts", "fill_full", "measure_call_costs", "median_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -34,25 +37,25 @@ REPEATS = 3
 
 @dataclass(frozen=True)
 class CallCosts:
-    """Per budget (ascending): the bucket's replay and the eager graph at its sizes, in ms."""
+    """Per budget (ascending): the bucket's replay and the compiled code at its sizes without a graph, in ms."""
 
     budgets: tuple[int, ...]
     replay_ms: tuple[float, ...]
-    eager_ms: tuple[float, ...]
+    exact_ms: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if not (len(self.budgets) == len(self.replay_ms) == len(self.eager_ms)) or list(self.budgets) != sorted(
+        if not (len(self.budgets) == len(self.replay_ms) == len(self.exact_ms)) or list(self.budgets) != sorted(
             self.budgets
         ):
-            raise ValueError("CallCosts needs one replay and one eager time per budget, budgets ascending")
+            raise ValueError("CallCosts needs one replay and one exact-size time per budget, budgets ascending")
 
     def replay(self, budget: int) -> float:
         return self.replay_ms[self.budgets.index(budget)]
 
-    def eager(self, rows: int) -> float:
-        """The eager graph's time at ``rows`` token rows: linear between the budgets around it (the smallest
-        budget's time below it, the largest's slope above it)."""
-        budgets, times = self.budgets, self.eager_ms
+    def exact(self, rows: int) -> float:
+        """The compiled code's time without a graph at ``rows`` token rows: linear between the budgets around it
+        (the smallest budget's time below it, the largest's slope above it)."""
+        budgets, times = self.budgets, self.exact_ms
         if len(budgets) == 1 or rows <= budgets[0]:
             return times[0]
         upper = min(max(bisect.bisect_left(budgets, rows), 1), len(budgets) - 1)
@@ -62,8 +65,8 @@ class CallCosts:
 
     def format(self) -> str:
         return "\n".join(
-            f"{budget:>8} replay {replay:8.3f} ms  eager {eager:8.3f} ms"
-            for budget, replay, eager in zip(self.budgets, self.replay_ms, self.eager_ms)
+            f"{budget:>8} replay {replay:8.3f} ms  exact size {exact:8.3f} ms"
+            for budget, replay, exact in zip(self.budgets, self.replay_ms, self.exact_ms)
         )
 
 
@@ -83,10 +86,13 @@ def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generato
         offsets.copy_(full.to(offsets.dtype))
 
 
-def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
-    fn()  # warm: lazy loading, allocator
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS, warm: bool = True) -> float:
+    """The median time of ``repeats`` runs of ``fn`` (after one warm run unless ``warm`` is False), in ms (CUDA
+    events on CUDA)."""
+    if warm:
+        fn()  # lazy loading, allocator
     samples = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -104,19 +110,20 @@ def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
 def measure_call_costs(
     buckets: list[Bucket],
     run: Callable[[Bucket], object],
-    eager: Callable[..., object],
+    exact: Callable[[list], object],
     spec: VarlenSpec,
     roles: dict[int, Role],
     device: torch.device,
 ) -> CallCosts:
-    """Time ``run(bucket)`` (its replay) and ``eager(*bucket.inputs)`` for every bucket, each filled full."""
+    """Time ``run(bucket)`` (its replay) and ``exact(list(bucket.inputs))`` (the compiled code, no graph) for every
+    bucket, each filled full."""
     generator = torch.Generator().manual_seed(0)
-    replay_ms, eager_ms = [], []
+    replay_ms, exact_ms = [], []
     with torch.no_grad():
         for bucket in buckets:
             fill_full(bucket, spec, roles, generator)
-            replay_ms.append(_median_ms(lambda: run(bucket), device))
-            eager_ms.append(_median_ms(lambda: eager(*bucket.inputs), device))
-    costs = CallCosts(tuple(b.shape.budget for b in buckets), tuple(replay_ms), tuple(eager_ms))
+            replay_ms.append(median_ms(lambda: run(bucket), device))
+            exact_ms.append(median_ms(lambda: exact(list(bucket.inputs)), device))
+    costs = CallCosts(tuple(b.shape.budget for b in buckets), tuple(replay_ms), tuple(exact_ms))
     log.info("call costs measured at warm-up (ms):\n%s", costs.format())
     return costs

@@ -7,11 +7,15 @@ narrow the outputs to the real sizes and copy them out. A call no bucket holds r
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
-With ``call_choice="measured"``, the warm-up also times every bucket's replay and
-the eager graph at its sizes (``serve/call_costs``), and a call that fits a bucket takes the cheapest by that
-table of: padding it to the smallest bucket, splitting it at a segment boundary over two smaller buckets (where
-``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), and running
-it eagerly. ``stats_table()`` counts each choice.
+With ``call_choice="measured"``, the warm-up also times every bucket's replay and the compiled code at its sizes
+without a graph (``serve/call_costs``), and a call that fits a bucket takes the cheapest of: padding it to the
+smallest bucket (a replay), splitting it at a segment boundary over two smaller buckets (where
+``serve/split.can_split`` allows; the offsets are read only when the table says a split could win), running the
+compiled code at the call's exact sizes with no graph (no padding, no replay: where every size guard of the trace
+and the compile holds at those sizes), and, when the caller passes it (``stock``), the user's own module. The
+stock module is timed on real calls: the first call of a bucket that the caller lets it serve runs it, timed, and
+so does a later call whose rows are more than a quarter away from every call timed there; its time for a call is
+the nearest timed call's, scaled by rows. ``stats_table()`` counts each choice.
 
 Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
 CUDA the lock is released once the work is queued, not finished. Calls on one stream are ordered by it; a call on
@@ -28,19 +32,20 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import sympy
 import torch
 
 from vgraph_compile.compile.assemble import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
-from vgraph_compile.serve.call_costs import CallCosts, measure_call_costs
+from vgraph_compile.serve.call_costs import CallCosts, measure_call_costs, median_ms
 from vgraph_compile.counters import counters
 from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve import fills
 from vgraph_compile.serve.call_checks import CallChecks, CallPlan
 from vgraph_compile.serve.split import Splitter, can_split
+from vgraph_compile.symbolic import evaluate, substitute
 
 __all__ = ["VGraphRuntime"]
 
@@ -58,8 +63,21 @@ class _Miss:
 _CHOICE_CACHE_SIZE = 4096
 _STAGED_CACHE_SIZE = 1024
 
-PADDED, SPLIT, EAGER = "padded to the smallest bucket", "split over two buckets", "run eagerly (cheaper)"
+PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
+EXACT, STOCK = "compiled code at the exact size", "stock module"
+CHOICES = (PADDED, SPLIT, EXACT, STOCK)
 """The per-call choices of ``call_choice="measured"``, as ``stats_table()`` counts them."""
+
+_STOCK_REACH = 1.25
+"""A stock timing stands for calls whose rows are within this factor of its own; past it, the stock is timed again."""
+
+
+@dataclass(frozen=True)
+class StockServed:
+    """What ``VGraphRuntime`` returns for a call the stock module served: the module's own result (not graph
+    outputs)."""
+
+    result: Any
 
 
 @dataclass(frozen=True)
@@ -111,13 +129,21 @@ class VGraphRuntime:
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
+        self.call_choice = self.config.call_choice
+        """How calls that fit a bucket are served (``VGraphConfig.call_choice``); may be changed between calls (the
+        cost table is measured when ``measured`` first needs it)."""
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
-        """Calls per choice (``PADDED``, ``SPLIT``, ``EAGER``) while a cost table is set."""
+        """Calls per choice (``CHOICES``) under every call_choice but smallest_bucket."""
         self._splitter = Splitter(self.spec) if can_split(self.spec) else None
-        self._routes: dict[tuple[int, ...], tuple[str, float]] = {}
-        """Per call sizes: the cheaper of padding and eager, and its cost (a split depends on the offsets' values)."""
+        self._routes: dict[tuple[tuple[int, ...], bool], tuple[str, float]] = {}
+        """Per (call sizes, stock offered): the cheapest of padding, the exact size and the stock module, and its
+        cost (a split depends on the offsets' values)."""
+        self._exact: dict[tuple[int, ...], bool] = {}
+        """Per call sizes: whether the compiled code may run at them (every size guard holds)."""
+        self.stock_ms: dict[int, list[tuple[int, float]]] = {}
+        """Per bucket budget: (rows, ms) of each timed stock call it would have served."""
         self._split_floors: dict[int, float] = {}
         self._fills: dict[int, fills.BucketFills] = {}
         """Per bucket budget: its buffers' fills (made at the bucket's first call)."""
@@ -134,16 +160,25 @@ class VGraphRuntime:
         if self.encoder.captured:
             return False
         self.encoder.warmup(lambda bucket: fills.empty_bucket(bucket, self.encoder.roles))
-        if self.config.call_choice == "measured" and self.buckets:
+        self._measure_costs()
+        return True
+
+    def _measure_costs(self) -> None:
+        """The cost table, once ``measured`` needs it and the graphs are captured."""
+        if self.call_choice == "measured" and self.costs is None and self.buckets and self.encoder.captured:
             self.costs = measure_call_costs(
                 self.buckets,
                 lambda bucket: bucket.run(self.encoder.compiled),
-                self.encoder.eager,
+                self.encoder.compiled,
                 self.spec,
                 self.encoder.roles,
                 self.device,
             )
-        return True
+
+    @property
+    def offers_stock(self) -> bool:
+        """Whether a caller that can run the user's module on a call should offer it (``stock`` of ``__call__``)."""
+        return self.call_choice in ("measured", "stock")
 
     # -- per call ----------------------------------------------------------------------------------------------
 
@@ -211,21 +246,90 @@ class VGraphRuntime:
         cost = sum(self.costs.replay(bucket.shape.budget) for _, _, bucket in halves)
         return _Split(cost, tuple(halves)) if cost < under else None
 
-    def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> tuple[str, _Split | None]:
-        """The cheapest way to run a call that fits ``bucket``, by the cost table."""
-        route = self._routes.get(plan.key)
+    def _stock_estimate(self, budget: int, rows: int) -> float | None:
+        """The stock module's time for a call of ``rows`` served by the bucket of ``budget``: the nearest timed
+        call's, scaled by rows; None when no timed call is within ``_STOCK_REACH`` of it (time one)."""
+        samples = self.stock_ms.get(budget)
+        if not samples:
+            return None
+        timed_rows, ms = min(samples, key=lambda sample: abs(sample[0] - rows))
+        if max(rows, 1) > timed_rows * _STOCK_REACH or rows * _STOCK_REACH < timed_rows:
+            return None
+        return ms * max(rows, 1) / max(timed_rows, 1)
+
+    def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, stock: bool) -> tuple[str, _Split | None]:
+        """How to run a call that fits ``bucket``: the fixed choice, or the cheapest by the cost table (``STOCK``
+        also where the stock module's time for the call is unknown: it is timed then)."""
+        if self.call_choice == "exact_size":
+            return (EXACT if self._exact_allowed(bucket, plan) else PADDED), None
+        if self.call_choice == "stock":
+            return (STOCK if stock else PADDED), None
+        route = self._routes.get((plan.key, stock))
         if route is None:
-            pad, eager = self.costs.replay(bucket.shape.budget), self.costs.eager(plan.tokens)
-            route = (PADDED, pad) if pad <= eager else (EAGER, eager)
+            options = {PADDED: self.costs.replay(bucket.shape.budget)}
+            if self._exact_allowed(bucket, plan):
+                options[EXACT] = self.costs.exact(plan.tokens)
+            if stock:
+                estimate = self._stock_estimate(bucket.shape.budget, plan.tokens)
+                if estimate is None:
+                    return STOCK, None
+                options[STOCK] = estimate
+            route = min(options.items(), key=lambda option: option[1])
             if len(self._routes) >= _CHOICE_CACHE_SIZE:
                 self._routes.clear()
-            self._routes[plan.key] = route
+            self._routes[plan.key, stock] = route
         choice, cost = route
         if self._splitter is not None and self._split_floor(plan.tokens) < cost:
             split = self._best_split(args, plan, cost)
             if split is not None:
                 return SPLIT, split
         return choice, None
+
+    # -- the compiled code at a call's exact sizes -------------------------------------------------------------
+
+    def _exact_values(self, bucket: Bucket, plan: CallPlan) -> dict[sympy.Symbol, int]:
+        """Every size symbol at the call's own value; the bucket's for those the call does not bind (bounds such as
+        a max_seqlen, which the call's sizes stay under)."""
+        values = {**bucket.shape.values, **plan.sizes}
+        for symbol, expr in self.spec.relations.items():
+            values[symbol] = evaluate(expr, plan.sizes, "a related size")
+        return values
+
+    def _exact_allowed(self, bucket: Bucket, plan: CallPlan) -> bool:
+        """Whether the compiled code may run at the call's sizes: every size guard of its trace and compile holds
+        there (known at build; unknown guards allow nothing)."""
+        allowed = self._exact.get(plan.key)
+        if allowed is None:
+            guards = self.encoder.record.size_guards
+            values = self._exact_values(bucket, plan)
+            allowed = guards is not None and all(substitute(guard, values) == sympy.true for guard in guards)
+            if len(self._exact) >= _CHOICE_CACHE_SIZE:
+                self._exact.clear()
+            self._exact[plan.key] = allowed
+        return allowed
+
+    def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
+        """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
+        fresh tensors at the call's sizes."""
+        layout = self.encoder.record.layout
+        values = self._exact_values(bucket, plan)
+        inputs = list(bucket.inputs)
+        for index in layout.copied:
+            inputs[index] = args[index].contiguous()
+        for index, expr in layout.sizes.items():
+            inputs[index] = evaluate(expr, values, "a size input")
+        return list(self.encoder.compiled(inputs))
+
+    def _run_stock(self, stock: Callable[[], Any], budget: int, rows: int) -> StockServed:
+        """The stock module on the call; timed (and the routes recomputed) when ``measured`` has no timing that
+        stands for it."""
+        if self.call_choice != "measured" or self._stock_estimate(budget, rows) is not None:
+            return StockServed(stock())
+        served: list[Any] = []
+        ms = median_ms(lambda: served.append(stock()), self.device, repeats=1, warm=False)
+        self.stock_ms.setdefault(budget, []).append((rows, ms))
+        self._routes.clear()
+        return StockServed(served[-1])
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
         miss = self.misses.setdefault(reason, _Miss(reason))
@@ -282,10 +386,13 @@ class VGraphRuntime:
             torch._foreach_copy_([results[index] for index in tensors], [views[index] for index in tensors])
         return results
 
-    def __call__(self, *args: Any, key: Hashable = None) -> list[Any]:
+    def __call__(
+        self, *args: Any, key: Hashable = None, stock: Callable[[], Any] | None = None
+    ) -> list[Any] | StockServed:
         """Serve one call of graph inputs ``args``. A ``key`` promises that every input but the token rows equals
         that of any earlier call with the same key (the HF towers pass the grid, whose metadata vgraph caches): the
-        bucket's metadata then takes the bytes staged at that call, in one copy."""
+        bucket's metadata then takes the bytes staged at that call, in one copy. ``stock`` runs the user's own module
+        on this call (the caller's arguments); with a cost table, the call may take it (``StockServed``)."""
         plan = self.checks.check(args)
         grad = torch.is_grad_enabled()
         if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
@@ -302,16 +409,20 @@ class VGraphRuntime:
         bucket = self._choose(plan)
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
+        self._measure_costs()
         with torch.no_grad() if grad else contextlib.nullcontext():
-            if self.costs is None:
+            if self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
                 results = self._replay(bucket, args, plan, key)
             else:
-                choice, split = self._route(bucket, args, plan)
+                choice, split = self._route(bucket, args, plan, stock is not None)
                 self.choices[choice] += 1
                 if choice == PADDED:
                     results = self._replay(bucket, args, plan, key)
-                elif choice == EAGER:
-                    results = list(self.encoder.eager(*args))
+                elif choice == EXACT:
+                    results = self._run_exact(bucket, args, plan)
+                elif choice == STOCK:
+                    self.serves += 1
+                    return self._run_stock(stock, bucket.shape.budget, plan.tokens)
                 else:
                     results = self._splitter.join(*(self._replay(b, half, p) for half, p, b in split.halves))
         self._remember_first(results)
@@ -353,7 +464,8 @@ class VGraphRuntime:
 
     # -- reporting ---------------------------------------------------------------------------------------------
     def stats_table(self) -> str:
-        """Per-bucket hits and padding, pool memory and the eager fallbacks, as a printable table."""
+        """Per-bucket hits and padding, pool memory, the dropped budgets (each with its reason) and the eager
+        fallbacks, as a printable table."""
         lines = [
             "budget: token rows the bucket holds; segments, max_seqlen: per attention group; hits: calls served; "
             "padded: share of its rows that were padding",
@@ -370,9 +482,16 @@ class VGraphRuntime:
             lines.append(f"attention kernels: {kernels}")
         if self.encoder.cudagraphs:
             lines.append(f"graph pool: {self.encoder.pool_bytes / 2**20:.1f} MiB for {len(self.buckets)} graphs")
+        if self.choices:
+            choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in CHOICES)
+            lines.append(f"per-call choice ({self.call_choice}): {choices}")
         if self.costs is not None:
-            choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in (PADDED, SPLIT, EAGER))
-            lines.append(f"per-call choice by the measured costs: {choices}")
+            lines.append("measured costs (ms):\n" + self.costs.format())
+        for budget, samples in sorted(self.stock_ms.items()):
+            timed = ", ".join(f"{rows} rows {ms:.3f} ms" for rows, ms in samples)
+            lines.append(f"stock module timed in bucket {budget}: {timed}")
+        for dropped in self.encoder.dropped:
+            lines.append(dropped.format())
         for miss in self.misses.values():
             lines.append(f"eager fallback x{miss.count}: {miss.reason}")
         return "\n".join(lines)
