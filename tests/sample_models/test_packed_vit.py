@@ -60,6 +60,7 @@ def test_each_images_rows_equal_the_image_encoded_alone(model_class):
 
 
 def test_placed_cls_rows_give_the_cls_encoders_outputs():
+    """``place_cls_rows`` puts each row where ClsViT's graph puts it: with the same weights, the same outputs."""
     cls_model, placed = _tiny(ClsViT), PlacedClsViT(**SIZES).double().eval()
     placed.load_state_dict(cls_model.state_dict())
     patches, cu_seqlens, max_seqlen, cls_rows, patch_rows = place_cls_rows(LENGTHS, 6)
