@@ -21,7 +21,8 @@ def attend(x, cu_seqlens, max_seqlen, double=False):
 
 
 def test_config_and_options_together_are_refused():
-    with pytest.raises(ValueError, match=r"pass either config= or VGraphConfig fields, not both \(got \['max_segments'\]\)"):
+    message = r"pass either config= or VGraphConfig fields, not both \(got \['max_segments'\]\)"
+    with pytest.raises(ValueError, match=message):
         vgraph_compile.encoder(attend, config=VGraphConfig(), max_segments=4)
 
 

@@ -73,7 +73,8 @@ def test_a_host_read_of_the_grid_outside_the_functions_is_refused():
 
 
 def test_a_function_called_without_kwargs_is_refused_as_it_cannot_take_a_precomputed_value():
-    with pytest.raises(TowerRefused, match="calls get_cu_seqlens without kwargs at .*cannot take its value precomputed"):
+    message = "calls get_cu_seqlens without kwargs at .*cannot take its value precomputed"
+    with pytest.raises(TowerRefused, match=message):
         record_metadata(NoKwargsTower(), PIXELS, "grid_thw", GRID)
 
 

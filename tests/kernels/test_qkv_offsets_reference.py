@@ -36,7 +36,8 @@ def _fused(rows):
 def test_offsets_past_the_tensors_are_refused_before_reading():
     q, k, v = _fused(6)
     past_the_end = torch.tensor([0, 16 * 7, 0, 48 * 7], dtype=torch.int32)  # 7 rows of 6
-    with pytest.raises(ValueError, match=r"Q/K/O\|V offsets of sequence 0 point outside q/k/v .*pad each half by its own"):
+    message = r"Q/K/O\|V offsets of sequence 0 point outside q/k/v .*pad each half by its own"
+    with pytest.raises(ValueError, match=message):
         qkv_offsets_reference.attention(q, k, v, past_the_end, 7, None)
 
 

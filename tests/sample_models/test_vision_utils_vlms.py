@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from vgraph_compile.sample_models.vision_utils_vlms import TINY_TEXT, build_vlm, image_inputs, image_processor, vlm_class
+from vgraph_compile.sample_models.vision_utils_vlms import (
+    TINY_TEXT,
+    build_vlm,
+    image_inputs,
+    image_processor,
+    vlm_class,
+)
 
 
 @pytest.fixture(scope="module")

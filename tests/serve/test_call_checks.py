@@ -9,7 +9,6 @@ import torch
 
 from tests.helpers import trace
 from vgraph_compile.analyze import analyze
-from vgraph_compile.config import VGraphConfig
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.serve.call_checks import CallChecks
 
@@ -82,22 +81,16 @@ def test_cu_seqlens_of_one_entry_is_refused_with_its_form(traced):
     ctx, graph_inputs = traced
     patches, _, _ = pack_images([5, 7], 12)
     inputs = graph_inputs(patches, torch.tensor([0], dtype=torch.int32), 7)
-    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D with at least 2 entries \[0, ..., tokens\], got shape \(1,\)"):
+    message = r"cu_seqlens must be 1-D with at least 2 entries \[0, ..., tokens\], got shape \(1,\)"
+    with pytest.raises(ValueError, match=message):
         CallChecks.from_context(ctx).check(inputs)
 
 
 def test_check_values_off_skips_the_offsets_values_but_not_dtypes(traced):
     """``check_values=False`` reads no offsets back from the device; the dtype, device and shape checks stay."""
     ctx, graph_inputs = traced
-    unchecked = CallChecks(
-        ctx.spec,
-        dataclasses.replace(ctx.config, check_values=False),
-        {
-            index: (value.dtype, value.device)
-            for index, value in enumerate(ctx.example_inputs)
-            if ctx.spec.describe_input(index) in ("patches", "cu_seqlens")
-        },
-    )
+    unchecked_config = dataclasses.replace(ctx.config, check_values=False)
+    unchecked = CallChecks.from_context(dataclasses.replace(ctx, config=unchecked_config))
     patches, _, _ = pack_images([5, 7], 12)
     decreasing = torch.tensor([0, 7, 5, 12], dtype=torch.int32)
     assert unchecked.check(graph_inputs(patches, decreasing, 7)).tokens == 12
