@@ -56,28 +56,6 @@ def test_opcheck():
     opcheck(VARLEN_ATTENTION.default, (q, k, v, cu, 5, None, "sdpa"))
 
 
-def test_resolve_rejects_unknown_and_unsupported_backends():
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        registry.resolve("flash", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="'torch_varlen' cannot run on cpu"):
-        registry.resolve("torch_varlen", torch.device("cpu"), torch.bfloat16)
-    assert registry.resolve("default", torch.device("cpu"), torch.bfloat16).name == "sdpa"
-
-
-@given(lengths=segment_lists, padding=st.integers(0, 8))
-def test_qkv_offsets_reference_reads_element_offsets_like_the_kernel(lengths, padding):
-    """Q/K/O offsets count heads*head_dim per row, V offsets the fused qkv stride (3x): real rows equal the
-    per-segment reference, rows past the last offset are zero."""
-    if sum(lengths) + padding == 0:
-        padding = 1
-    rows = sum(lengths) + padding
-    q, k, v = torch.randn(rows, 3, 2, 8).unbind(1)
-    cu = _packed(lengths)[3]
-    packed = torch.cat([cu * 16, cu * v.stride(0)])
-    out = qkv_offsets_varlen_attention(q.contiguous(), k.contiguous(), v, packed, max(lengths))
-    torch.testing.assert_close(out.double(), segment_reference(q, k, v, cu), rtol=1e-5, atol=1e-5)
-
-
 def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
     q, k, v = torch.randn(4, 3, 2, 8).unbind(1)
     packed = torch.tensor([0, 64, 0, 192], dtype=torch.int32)
@@ -85,38 +63,6 @@ def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():
         qkv_offsets_varlen_attention(q, k, v, packed, 4)
     with pytest.raises(ValueError, match="reads packed"):
         varlen_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, backend="qkv_offsets_reference")
-
-
-@pytest.mark.parametrize(
-    "name, module, package",
-    [
-        ("cudnn", "cudnn", "nvidia-cudnn-frontend"),
-        ("flashinfer", "flashinfer", "flashinfer-python"),
-        ("fa4", "flash_attn", "flash-attn-4"),
-    ],
-)
-def test_missing_optional_kernel_names_its_pip_package(name, module, package):
-    import importlib.util
-
-    if importlib.util.find_spec(module) is not None:
-        pytest.skip(f"{module} is installed")
-    with pytest.raises(ValueError, match=f"needs the optional package {package}: pip install {package}"):
-        registry.resolve(name, torch.device("cuda"), torch.bfloat16)
-
-
-def test_cudnn_backend_is_registered_and_validates_head_dim():
-    """``cudnn`` is a config-level kernel name; a head dim cuDNN cannot take is padded to one it can, or refused
-    with the fix."""
-    from typing import get_args
-
-    from vgraph_compile.config import VGraphConfig
-
-    assert "cudnn" in registry.BACKENDS and "cudnn" in get_args(registry.AttentionBackendName)
-    assert VGraphConfig(attention_backend="cudnn").attention_backend == "cudnn"
-    backend = registry.BACKENDS["cudnn"]
-    assert (backend.padded_head_dim(72), backend.padded_head_dim(70)) == (72, 72)  # the op pads 70 to 72
-    with pytest.raises(ValueError, match="'cudnn' runs head_dim up to 128, got 136: choose another"):
-        backend.padded_head_dim(136)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
@@ -135,12 +81,3 @@ def test_head_dim_padding_is_exact(monkeypatch, dtype, tolerance, scale):
         assert padded.shape == q.shape and padded.is_contiguous()
         torch.testing.assert_close(padded, unpadded, rtol=tolerance, atol=tolerance)
         assert padded[26:].eq(0).all()
-
-
-def test_head_dims_refuse_wider_heads_and_packed_kernels():
-    backend = registry.AttentionBackend("narrow", lambda d, t: True, head_dims=(64, 80, 128))
-    assert [backend.padded_head_dim(d) for d in (40, 72, 80, 96)] == [64, 80, 80, 128]
-    with pytest.raises(ValueError, match="'narrow' runs head_dim up to 128, got 256: choose another"):
-        backend.padded_head_dim(256)
-    with pytest.raises(ValueError, match="packed kernel cannot declare head_dims"):
-        registry.AttentionBackend("p", lambda d, t: True, qkv_offsets=True, head_dims=(64,))

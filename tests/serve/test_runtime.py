@@ -97,16 +97,6 @@ def test_bad_cu_seqlens_raise_before_any_graph_runs(compiled, cu, message):
         compiled(patches, torch.tensor(cu, dtype=torch.int32), 7)
 
 
-def test_autograd_calls_run_the_encoder_as_written(model):
-    """With grad enabled on trainable parameters, the call never reaches dynamo or a bucket: gradients flow."""
-    compiled = vgraph_compile.encoder(model, token_budgets=(16,), max_segments=4, compiler="eager")
-    inputs = pack_images([6, 6], 12)
-    with counters.expect():
-        out = compiled(*inputs)
-    assert out.requires_grad
-    torch.testing.assert_close(out, model(*inputs))
-
-
 @pytest.fixture(scope="module")
 def one_block():
     """A one-block encoder for the inductor tests (the compile's cost on the CPU grows with the blocks)."""

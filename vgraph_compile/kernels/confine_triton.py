@@ -14,6 +14,9 @@ Invariants:
 - a row's segment is found by a binary search of ``cu_seqlens`` on the device, empty segments own no row; nothing
   synchronises with the host, so both run inside captured CUDA graphs. The first call of a shape compiles (warm-up,
   before capture).
+
+The launch parameters come from ``confine_indexing``, whose torch functions compute what ``_offsets`` and
+``_segment_of`` compute here (kept equal: a change to one is a change to the other).
 """
 
 from __future__ import annotations
@@ -22,19 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
+from vgraph_compile.kernels.confine_indexing import CHUNK, chunk_width, dense, search_steps
+
 CONFINE_ROWS = 16
 """Rows per ``confine`` program."""
 CONFINE_WARPS = 4
 FINISH_ROWS = 64
 """Rows per ``finish`` program (most programs stop after two loads)."""
-CHUNK = 128
-"""Flat entries of a row per tile column (a row of 16 heads of 72 is 9 chunks, of 80 is 10)."""
 
 
 @triton.jit
 def _segment_of(rows, cu_seqlens, segments, SEARCH_STEPS: tl.constexpr):
     """Number of offsets in ``cu_seqlens[1:]`` at or below each row (``searchsorted(..., right=True)``): rows at
-    or past ``cu_seqlens[-1]`` get ``segments``."""
+    or past ``cu_seqlens[-1]`` get ``segments`` (``confine_indexing.segment_of``)."""
     low = tl.zeros_like(rows)
     high = tl.zeros_like(rows) + segments
     for _ in tl.static_range(SEARCH_STEPS):
@@ -49,7 +52,8 @@ def _segment_of(rows, cu_seqlens, segments, SEARCH_STEPS: tl.constexpr):
 
 @triton.jit
 def _offsets(row, flat, row_stride, head_stride, col_stride, HEAD_DIM: tl.constexpr, DENSE: tl.constexpr):
-    """Element offsets of ``[rows, flat entries]``; ``DENSE``: heads ``HEAD_DIM`` apart, columns adjacent."""
+    """Element offsets of ``[rows, flat entries]``; ``DENSE``: heads ``HEAD_DIM`` apart, columns adjacent
+    (``confine_indexing.element_offsets``)."""
     if DENSE:
         within = flat
     else:
@@ -117,16 +121,6 @@ def _finish_kernel(
             tl.store(out + offsets, value.to(out.dtype.element_ty), mask=inside & written)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether each row's heads * head_dim entries are one contiguous run."""
-    heads, head_dim = t.shape[1:]
-    return (heads <= 1 or t.stride(1) == head_dim) and (head_dim <= 1 or t.stride(2) == 1)
-
-
-def _search_steps(segments: int) -> int:
-    return max(1, (segments + 1).bit_length())
-
-
 def confine(
     k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,12 +130,12 @@ def confine(
     k_out = torch.empty((rows, heads, head_dim), device=k.device, dtype=k.dtype)
     v_out = torch.empty((rows, heads, head_dim), device=v.device, dtype=v.dtype)
     poisoned = torch.zeros((segments + 1, heads), device=k.device, dtype=torch.int32)
-    chunk = min(CHUNK, triton.next_power_of_2(heads * head_dim))
+    chunk = chunk_width(heads, head_dim)
     grid = (triton.cdiv(rows, CONFINE_ROWS), triton.cdiv(heads * head_dim, chunk))
     _confine_kernel[grid](
         k, v, k_out, v_out, cu_seqlens, poisoned, rows, segments, *k.stride(), *v.stride(),
-        HEADS=heads, HEAD_DIM=head_dim, K_DENSE=_dense(k), V_DENSE=_dense(v),
-        BLOCK_ROWS=CONFINE_ROWS, CHUNK=chunk, SEARCH_STEPS=_search_steps(segments), num_warps=CONFINE_WARPS,
+        HEADS=heads, HEAD_DIM=head_dim, K_DENSE=dense(k), V_DENSE=dense(v),
+        BLOCK_ROWS=CONFINE_ROWS, CHUNK=chunk, SEARCH_STEPS=search_steps(segments), num_warps=CONFINE_WARPS,
     )  # fmt: skip
     return k_out, v_out, poisoned
 
@@ -152,8 +146,8 @@ def finish(out: torch.Tensor, cu_seqlens: torch.Tensor, poisoned: torch.Tensor |
     segments = cu_seqlens.shape[0] - 1
     _finish_kernel[(triton.cdiv(rows, FINISH_ROWS),)](
         out, cu_seqlens, cu_seqlens if poisoned is None else poisoned, rows, segments, *out.stride(),
-        HEADS=heads, HEAD_DIM=head_dim, DENSE=_dense(out), FLAGGED=poisoned is not None,
-        BLOCK_ROWS=FINISH_ROWS, CHUNK=min(CHUNK, triton.next_power_of_2(heads * head_dim)),
-        HEADS_P2=triton.next_power_of_2(heads), SEARCH_STEPS=_search_steps(segments),
+        HEADS=heads, HEAD_DIM=head_dim, DENSE=dense(out), FLAGGED=poisoned is not None,
+        BLOCK_ROWS=FINISH_ROWS, CHUNK=chunk_width(heads, head_dim),
+        HEADS_P2=triton.next_power_of_2(heads), SEARCH_STEPS=search_steps(segments),
     )  # fmt: skip
     return out
