@@ -7,10 +7,11 @@ requests of exactly 4 images (the same generator, filtered) timed one by one for
 request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
 (``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
 
-``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call),
-``--trace-towers`` the towers it runs (one group per tower and group size; the report's ``groups`` per tower).
+``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call);
+every request's output is compared with the same rank alone first. ``--towers`` picks the towers of the trace (one
+group per tower and group size; the report's ``groups`` per tower) and of ``--sequence``.
 With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the latency of 1x1344^2, 1x1792^2 and a
-16-frame 448^2 video for the Qwen2.5-VL and Qwen3-VL towers (released sizes), each group compiled with buckets of
+16-frame 448^2 video for each tower (released sizes), each group compiled with buckets of
 exactly those sizes (a rank's slice on N ranks), and the 1x1792^2 output's error against the stock tower (eager).
 With ``--profile`` too, each case's time per rank by kernel kind (all-to-all, attention, gemm...), its host time,
 the all-to-all captured in the graphs against one run outside them, and the heads padded (``sequence_profile``).
@@ -49,7 +50,7 @@ from vgraph_compile.hf.sequence_parallel import split_rows
 TINY_OPTIONS = dict(token_budgets=[256, 1280], max_items=4, compiler="eager", attention_backend="sdpa")
 SEQUENCE_ITEMS = {"1x1344^2": [(1, 1344, 1344)], "1x1792^2": [(1, 1792, 1792)], "video 16x448^2": [(16, 448, 448)]}
 """--sequence: one item each, (frames, height, width) in pixels."""
-SEQUENCE_TOWERS = ("qwen2.5-vl", "qwen3-vl")
+TOWERS = ("qwen2.5-vl", "qwen3-vl")
 TINY_SCALE = 4
 """--tiny divides the requests' pixel sizes by this (56-336 px), so the CPU's dense attention masks stay small."""
 
@@ -137,7 +138,9 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
             warmup_s = time.perf_counter() - start
             report = {"warmup_s": round(warmup_s, 1)}
             if ranks > 1:
-                report["max_abs_diff_vs_one_rank"] = _vs_one_rank(compiled, requests[0], width, device, dtype)
+                report["max_abs_diff_vs_one_rank"] = max(
+                    _vs_one_rank(compiled, grid, width, device, dtype) for grid in requests
+                )
             inputs = [_inputs(grid, width, device, dtype, index) for index, grid in enumerate(requests)]
             dist.barrier()
             synchronize(device)
@@ -178,7 +181,7 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
     device, dtype = _join(rank, ranks, directory, args)
     try:
         report = {}
-        for name in SEQUENCE_TOWERS:
+        for name in args.towers:
             tower = qwen_tower(name, device=device, dtype=dtype, **(TOY_SIZES[name] if args.tiny else {}))
             config = tower.config
             geometry = config_geometry(config, getattr(config, "window_size", None) if name == "qwen2.5-vl" else None)
@@ -262,13 +265,14 @@ def sequence_profile(compiled, pixel_values, grid_thw, slice_rows: int, calls: i
         compiled(pixel_values, grid_thw)
     host_ms = (time.perf_counter() - begin) * 1e3 / calls
     synchronize(device)
-    config = compiled.tower.config
-    heads = config.num_heads
-    head_dim = (getattr(config, "embed_dim", None) or config.hidden_size) // heads
+    attention = next(m for m in compiled.tower.modules() if hasattr(m, "num_heads") and hasattr(m, "head_dim"))
+    heads, head_dim = attention.num_heads, attention.head_dim
     padded = -(-heads // ranks) * ranks
     chunk = torch.randn(slice_rows * padded * head_dim, device=device, dtype=pixel_values.dtype)
     received = torch.empty_like(chunk)
     dist.all_to_all_single(received, chunk)
+    dist.barrier()
+    synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):
@@ -288,7 +292,13 @@ def sequence_profile(compiled, pixel_values, grid_thw, slice_rows: int, calls: i
     }
     every = [None] * ranks
     dist.all_gather_object(every, mine)
-    return {"heads": heads, "padded_heads": padded, "slice_rows": slice_rows, "ranks": every}
+    return {
+        "heads": heads,
+        "padded_heads": padded,
+        "padding_share": round((padded - heads) / padded, 3),
+        "slice_rows": slice_rows,
+        "ranks": every,
+    }
 
 
 def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
@@ -336,7 +346,8 @@ def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
 
 
 def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Largest difference between this group's output and this rank alone (process_group=None) on one request."""
+    """Largest difference between this group's output and this rank alone (process_group=None) on one request,
+    over every field (Qwen3-VL's deepstack features too)."""
     pixel_values, grid_thw = _inputs(grid, width, device, dtype, 0)
     spread = compiled(pixel_values, grid_thw)
     group, compiled.process_group = compiled.process_group, None
@@ -345,6 +356,7 @@ def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.
     finally:
         compiled.process_group = group
     fields = [(spread.pooler_output, alone.pooler_output), (spread.last_hidden_state, alone.last_hidden_state)]
+    fields += zip(getattr(spread, "deepstack_features", None) or (), getattr(alone, "deepstack_features", None) or ())
     return max(float((a.float() - b.float()).abs().max()) for a, b in fields)
 
 
@@ -369,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sequence-repeats", type=int, default=20, help="timed calls per item with --sequence")
     parser.add_argument("--skip-trace", action="store_true", help="skip the trace and 4-image groups")
     parser.add_argument(
-        "--trace-towers", nargs="+", choices=SEQUENCE_TOWERS, default=["qwen2.5-vl"], help="towers of the trace"
+        "--towers", nargs="+", choices=TOWERS, default=list(TOWERS), help="towers of the trace and of --sequence"
     )
     parser.add_argument("--profile", action="store_true", help="with --sequence: where each case's time goes")
     parser.add_argument("--seed", type=int, default=0)
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "model": f"{', '.join(args.trace_towers)} vision tower(s), "
+        "model": f"{', '.join(args.towers)} vision tower(s), "
         + ("toy size, fp32" if args.tiny else "released size, random weights, bf16"),
         "workload": {"trace_requests": args.requests, "latency_requests": args.latency_requests, "seed": args.seed},
         "env": {"NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]},
@@ -405,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["sequence"]["one_image_latency_ratio"] = max(row["1x1792^2"] for row in ratios[most].values())
             print(f"sequence latency vs 1 rank: {ratios} (target <= 0.6 at 1x1792^2 on 2 GPUs)", flush=True)
         write_report(report, args.json)
-    for name in [] if args.skip_trace else args.trace_towers:
+    for name in [] if args.skip_trace else args.towers:
         args.trace_tower = name
         groups = report["groups"].setdefault(name, {})
         for ranks in args.ranks:

@@ -83,6 +83,7 @@ CASES = {
     "fewer items than ranks": [(1, 8, 8)],
     "one huge item": [(1, 4, 4), (1, 24, 24), (2, 4, 8)],
     "videos": [(3, 8, 8), (1, 4, 12), (2, 4, 4), (1, 8, 4), (4, 4, 4)],
+    "one long video, its frames over the ranks": [(4, 8, 8), (1, 4, 4)],
     "no items": [],
     **{f"random {seed}": _random_grid(seed) for seed in range(2)},
 }

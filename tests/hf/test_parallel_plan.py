@@ -9,18 +9,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.hf.parallel_plan import plan, plan_cost
+from vgraph_compile.hf.parallel_plan import plan, plan_cost, split_frames
 from vgraph_compile.hf.sequence_parallel import split_rows
 
 PLAIN = VisionGeometry(patch_size=16, spatial_merge_size=2)
-rows = st.tuples(st.integers(1, 3), st.sampled_from([2, 4, 8, 12, 16, 32]), st.sampled_from([2, 4, 8, 16, 32]))
+rows = st.tuples(st.integers(1, 3), st.sampled_from([2, 4, 8, 12, 16]), st.sampled_from([2, 4, 8, 16]))
 
 
 def _slice_rows(ranks: int):
     return lambda grid: split_rows(tuple(grid), PLAIN, ranks, 4).slice_rows
 
 
-@given(grid=st.lists(rows, max_size=9), ranks=st.integers(1, 5), sequence_cost=st.sampled_from([1.0, 1.2, 2.0]))
+@given(grid=st.lists(rows, max_size=8), ranks=st.integers(1, 5), sequence_cost=st.sampled_from([1.0, 1.2, 2.0]))
 def test_every_item_once_never_worse_than_a_pure_mode(grid, ranks, sequence_cost):
     slice_rows = _slice_rows(ranks)
     chosen = plan(grid, ranks, slice_rows, sequence_cost)
@@ -70,3 +70,24 @@ def test_examples():
     alone = plan([(1, 64, 64)], 2, slice_rows, 1.2)
     assert (alone.sequence, alone.data, alone.mode) == ((0,), (), "sequence")
     assert plan([(1, 64, 64)], 1, _slice_rows(1), 1.2).mode == "data"
+
+
+@given(grid=st.lists(rows, max_size=9), ranks=st.integers(1, 5))
+def test_split_frames_keeps_the_rows_in_order(grid, ranks):
+    """Each item becomes consecutive items of its frames (the same rows in the same order); only a video over a
+    rank's fair share is cut, into min(t, ranks) parts that differ by a frame at most."""
+    split = split_frames(grid, ranks)
+    total = sum(t * h * w for t, h, w in grid)
+    position = 0
+    for t, h, w in grid:
+        parts = min(t, ranks) if t * h * w * ranks > total else 1
+        pieces = split[position : position + parts]
+        assert all((ph, pw) == (h, w) for _, ph, pw in pieces) and sum(pt for pt, _, _ in pieces) == t
+        assert max(pt for pt, _, _ in pieces) - min(pt for pt, _, _ in pieces) <= 1
+        position += parts
+    assert position == len(split)
+
+
+def test_split_frames_example():
+    """A 5-frame video of 256 patches a frame beside one 16-patch image, 3 ranks: 2 + 2 + 1 frames."""
+    assert split_frames([(5, 16, 16), (1, 4, 4)], 3) == ((2, 16, 16), (2, 16, 16), (1, 16, 16), (1, 4, 4))

@@ -170,7 +170,9 @@ def _stream(seed: int, count: int) -> list[list[tuple[int, int, int]]]:
 def _auto_stream_stays_in_step(group):
     """A mixed stream through ``auto``: every call's every field equal to the single-process call of the same
     graphs, and the three modes all taken. The group runs with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which checks
-    before each collective that every rank issues the same one (a mismatch raises), and its teardown is timed
+    before each c10d collective (the batch check, the gathers) that every rank issues the same one, and raises on a
+    mismatch; the functional all-to-alls inside the sequence graphs are not wrapped by it, and a rank that issues
+    one the others do not fails the check at the group's timeout. The teardown is timed
     (``test_destroy_process_group_returns_quickly``)."""
     tower = compiled("qwen2.5-vl", group)
     with parallel(tower, "auto") as calls, torch.no_grad():

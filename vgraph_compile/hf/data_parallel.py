@@ -9,6 +9,8 @@ same multimodal inputs. Per call, on every rank:
    ranks (``check_group``), so reading it does not wait for the device.
 2. **Assign** (``assign``): a pure function of the grid, so every rank computes the same one with no
    communication: items (a video with all its frames) greedily, largest first, onto the least-loaded rank.
+   ``CompiledVisionTower`` may first cut a video larger than a rank's fair share into items of whole frames, where
+   the tower's metadata shows that gives the same rows (``parallel_plan.split_frames``).
 3. **Encode**: each rank packs its share into its own buckets (the tower's ordinary call).
 4. **Gather** (``gather``): one ``all_gather_into_tensor`` of every rank's outputs side by side in one buffer
    (``[merged rows, sum of field widths]``, ``last_hidden_state`` folded ``merge^2`` patch rows per merged row),

@@ -10,6 +10,10 @@ cheapest of the plans that move the ``k`` largest items (ties: lower index first
 ``k`` from 0 to all (ties: the smaller ``k``), so no item data parallel is larger than one split by rows. With
 only small items nothing moves (all data parallel), with one dominant item only that one does; the pure modes are
 ``k = 0`` and ``k = all``, so the plan never costs more than either.
+
+Before planning, a tower whose frames are independent (``CompiledVisionTower.frames_split_exactly``) may have its
+large videos cut into items of whole frames (``split_frames``): those spread over the ranks by items, with no
+collective inside the graphs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Callable
 
 from vgraph_compile.hf import data_parallel
 
-__all__ = ["ParallelPlan", "plan", "plan_cost"]
+__all__ = ["ParallelPlan", "plan", "plan_cost", "split_frames"]
 
 Rows = tuple[int, int, int]
 
@@ -74,3 +78,18 @@ def plan(
         if best is None or cost < best.cost:
             best = ParallelPlan(sequence, data, assignment, cost)
     return best
+
+
+def split_frames(grid: list[Rows] | tuple[Rows, ...], ranks: int) -> tuple[Rows, ...]:
+    """``grid`` with each video larger than a rank's fair share (its patches over ``total / ranks``) as
+    ``min(t, ranks)`` items of consecutive frames, as even as can be (the first ones a frame longer); the other
+    items as they are. The rows, in order, are the same rows: the items' rows concatenated are the video's."""
+    total = sum(t * h * w for t, h, w in grid)
+    out: list[Rows] = []
+    for t, h, w in grid:
+        parts = min(t, ranks)
+        if parts > 1 and t * h * w * ranks > total:
+            out.extend((t // parts + (part < t % parts), h, w) for part in range(parts))
+        else:
+            out.append((t, h, w))
+    return tuple(out)

@@ -68,6 +68,16 @@ def _item_rows(pixel_values: torch.Tensor, starts: list[int], items, count: int)
     return torch.cat(rows) if rows else pixel_values[:0]
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal metadata parts: tensors of one dtype and shape with equal values, or equal plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and torch.equal(a, b)
+        )
+    return type(a) is type(b) and a == b
+
+
 class TowerCall(torch.nn.Module):
     """The traced forward: the tower with its grid withheld (or, for a ``grid_traced`` tower, passed in as a
     fixed-size table among the metadata) and every grid-derived value passed in, so nothing syncs the host; takes
@@ -404,6 +414,8 @@ class CompiledVisionTower(TowerStandIn):
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         if self.parallel == "sequence" and self.sequence_refusal:
             raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
+        if self.parallel != "sequence" and self.frames_split_exactly:
+            grid = list(parallel_plan.split_frames(grid, ranks))  # the same rows: the outputs are the same
         plan = self._plan(grid, ranks)
         self.parallel_calls[plan.mode] += 1
         self.load_stats.record(plan.assignment)
@@ -439,6 +451,26 @@ class CompiledVisionTower(TowerStandIn):
         sequence = tuple(range(len(grid))) if mode == "sequence" and ranks > 1 else ()
         cost, data, assignment = parallel_plan.plan_cost(grid, sequence, ranks, slice_rows, self.sequence_cost)
         return parallel_plan.ParallelPlan(sequence, data, assignment, cost)
+
+    @functools.cached_property
+    def frames_split_exactly(self) -> bool:
+        """Whether a video's frames may be encoded as items of their own (``parallel_plan.split_frames``): the
+        grid metadata of one two-frame item equals that of its two frames as two items. The traced call sees the
+        pixel rows and that metadata only (not the grid), so the outputs are then the same rows. Not for a tower
+        that reads its grid in the graph, or serves images only."""
+        if self.interface.grid_traced or self.interface.video_failure:
+            return False
+        side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
+        with torch.inference_mode(False), routed_attention(self.tower):
+            video = self.interface.metadata.compute(torch.tensor([[2, side, 2 * side]]))
+            frames = self.interface.metadata.compute(torch.tensor([[1, side, 2 * side]] * 2))
+        if video.keys() != frames.keys():
+            return False
+        for key in video:
+            mine, theirs = metadata_leaves(video[key]), metadata_leaves(frames[key])
+            if len(mine) != len(theirs) or not all(map(_same_value, mine, theirs)):
+                return False
+        return True
 
     # -- sequence parallel --------------------------------------------------------------------------------------
     @property
