@@ -13,7 +13,8 @@ group per tower and group size; the report's ``groups`` per tower) and of ``--se
 With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the latency of 1x1344^2, 1x1792^2 and a
 16-frame 448^2 video for each tower (released sizes), each group compiled with buckets of
 exactly those sizes (a rank's slice on N ranks), and the 1x1792^2 output's error against the stock tower (eager).
-With ``--profile`` too, each case's time per rank by kernel kind (all-to-all, attention, gemm...), its host time,
+With ``--parallel auto`` the large items are served by ``auto`` instead (a video may go by frames, data parallel),
+each case recording its calls per mode. With ``--profile`` too, each case's time per rank by kernel kind (all-to-all, attention, gemm...), its host time,
 the all-to-all captured in the graphs against one run outside them, and the heads padded (``sequence_profile``).
 Every group closes its tower (``CompiledVisionTower.close``) before ``destroy_process_group`` and prints how long
 that took.
@@ -202,7 +203,8 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
             if args.tiny:
                 options.update(compiler="eager", attention_backend="sdpa")
             group = dist.group.WORLD if ranks > 1 else None
-            compiled = compile_vision_tower(tower, process_group=group, parallel="sequence", **options)
+            mode = "auto" if args.parallel == "auto" else "sequence"
+            compiled = compile_vision_tower(tower, process_group=group, parallel=mode, **options)
             (width,) = compiled.interface.pixel_shape
             cases = {}
             with torch.inference_mode():
@@ -215,7 +217,8 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
                         latencies.append(_timed(device, lambda: compiled(pixel_values, grid_thw)))
                     summary = Result(latencies_ms=_slowest(latencies)).summary()
                     cases[case] = {"grid": grid, "slice_rows": sizes[case], "p50_ms": summary["p50_ms"],
-                                   "mean_ms": summary["mean_ms"]}
+                                   "mean_ms": summary["mean_ms"], "parallel_calls": dict(compiled.parallel_calls)}
+                    compiled.parallel_calls.clear()
                     if case == "1x1792^2":
                         stock = compiled.tower(pixel_values, grid_thw.to(device)).pooler_output.float()
                         error = (out.pooler_output.float() - stock).norm() / stock.norm()
@@ -225,7 +228,8 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
             report[name] = {"warmup_s": round(time.perf_counter() - start, 1), "cases": cases,
                             "stats": compiled.stats_table()}
             print(f"rank {rank}/{ranks} {name}: {cases}", flush=True)
-            compiled.close()
+            if not args.no_close:
+                compiled.close()
             del compiled, tower
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -384,6 +388,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--towers", nargs="+", choices=TOWERS, default=list(TOWERS), help="towers of the trace and of --sequence"
     )
     parser.add_argument("--profile", action="store_true", help="with --sequence: where each case's time goes")
+    parser.add_argument(
+        "--no-close",
+        action="store_true",
+        help="diagnosis, with --sequence: destroy the group with the sequence graphs alive (their captured "
+        "all-to-alls hold the NCCL communicator: destroy_process_group waits on NCCL >= 2.26, pytorch#115388)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
@@ -401,7 +411,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     report["workload"]["parallel"] = args.parallel
     if args.sequence:
-        report["sequence"] = {"groups": {str(ranks): run_group(_sequence_rank, ranks, args) for ranks in args.ranks}}
+        report["sequence"] = {
+            "mode": "auto" if args.parallel == "auto" else "sequence",
+            "groups": {str(ranks): run_group(_sequence_rank, ranks, args) for ranks in args.ranks},
+        }
         groups = report["sequence"]["groups"]
         if "1" in groups and len(groups) > 1:
             ratios = {
