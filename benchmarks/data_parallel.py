@@ -170,7 +170,7 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
         )
         _write(directory, report)
     finally:
-        _teardown(compiled)
+        _teardown(None if args.no_close else compiled)
 
 
 def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
@@ -391,8 +391,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--no-close",
         action="store_true",
-        help="diagnosis, with --sequence: destroy the group with the sequence graphs alive (their captured "
-        "all-to-alls hold the NCCL communicator: destroy_process_group waits on NCCL >= 2.26, pytorch#115388)",
+        help="diagnosis: destroy each group with its tower's sequence graphs alive (their captured all-to-alls "
+        "hold the NCCL communicator: destroy_process_group waits on NCCL >= 2.26, pytorch#115388)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
