@@ -14,8 +14,9 @@ With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the 
 16-frame 448^2 video for each tower (released sizes), each group compiled with buckets of
 exactly those sizes (a rank's slice on N ranks), and the 1x1792^2 output's error against the stock tower (eager).
 With ``--parallel auto`` the large items are served by ``auto`` instead (a video may go by frames, data parallel),
-each case recording its calls per mode. With ``--profile`` too, each case's time per rank by kernel kind (all-to-all, attention, gemm...), its host time,
-the all-to-all captured in the graphs against one run outside them, and the heads padded (``sequence_profile``).
+each case recording its calls per mode. With ``--profile`` too, each case's time per rank by kernel kind
+(all-to-all, attention, gemm...), its host time, the all-to-all captured in the graphs against one run outside
+them, and the heads padded (``sequence_profile``).
 Every group closes its tower (``CompiledVisionTower.close``) before ``destroy_process_group`` and prints how long
 that took.
 

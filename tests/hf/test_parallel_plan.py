@@ -64,7 +64,8 @@ def test_examples():
     one rank, by items."""
     slice_rows = _slice_rows(2)
     mixed = plan([(1, 16, 16), (1, 64, 64), (1, 16, 16)], 2, slice_rows, 1.2)
-    assert (mixed.sequence, mixed.data, mixed.assignment.items, mixed.mode) == ((1,), (0, 2), ((0,), (1,)), "sequence+data")
+    assert (mixed.sequence, mixed.data, mixed.mode) == ((1,), (0, 2), "sequence+data")
+    assert mixed.assignment.items == ((0,), (1,))
     assert mixed.cost == pytest.approx(2048 * 1.2 + 256)
     assert plan([(1, 32, 32)] * 4, 2, slice_rows, 1.2).mode == "data"
     alone = plan([(1, 64, 64)], 2, slice_rows, 1.2)
