@@ -7,17 +7,25 @@ requests of exactly 4 images (the same generator, filtered) timed one by one for
 request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
 (``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
 
-``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call).
+``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call);
+every request's output is compared with the same rank alone first. ``--towers`` picks the towers of the trace (one
+group per tower and group size; the report's ``groups`` per tower) and of ``--sequence``.
 With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the latency of 1x1344^2, 1x1792^2 and a
-16-frame 448^2 video for the Qwen2.5-VL and Qwen3-VL towers (released sizes), each group compiled with buckets of
+16-frame 448^2 video for each tower (released sizes), each group compiled with buckets of
 exactly those sizes (a rank's slice on N ranks), and the 1x1792^2 output's error against the stock tower (eager).
+With ``--parallel auto`` the large items are served by ``auto`` instead (a video may go by frames, data parallel),
+each case recording its calls per mode. With ``--profile`` too, each case's time per rank by kernel kind
+(all-to-all, attention, gemm...), its host time, the all-to-all captured in the graphs against one run outside
+them, and the heads padded (``sequence_profile``).
+Every group closes its tower (``CompiledVisionTower.close``) before ``destroy_process_group`` and prints how long
+that took.
 
 With ``--vlm-requests N``, also the whole Qwen2.5-VL-7B (language model replicated on every rank, vision tower
 data-parallel): time to first token of ``ttft.py``'s first N requests, per group size.
 
     python benchmarks/data_parallel.py --ranks 1 2 --vlm-requests 32 --json benchmarks/results/data_parallel_h200x2.json
     python benchmarks/data_parallel.py --device cpu --tiny --vlm-requests 4 --json /tmp/dp.json   # gloo, toy sizes
-    python benchmarks/data_parallel.py --ranks 1 2 --parallel auto --sequence --json /tmp/sequence.json
+    python benchmarks/data_parallel.py --ranks 1 2 --parallel auto --sequence --profile --json /tmp/sequence.json
 """
 
 from __future__ import annotations
@@ -41,14 +49,10 @@ from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.hf.packed_tower import config_geometry
 from vgraph_compile.hf.sequence_parallel import split_rows
 
-TINY_TOWER = dict(
-    depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48, fullatt_block_indexes=[1]
-)
-"""The toy Qwen2.5-VL tower of the tests (2 blocks of width 32)."""
 TINY_OPTIONS = dict(token_budgets=[256, 1280], max_items=4, compiler="eager", attention_backend="sdpa")
 SEQUENCE_ITEMS = {"1x1344^2": [(1, 1344, 1344)], "1x1792^2": [(1, 1792, 1792)], "video 16x448^2": [(16, 448, 448)]}
 """--sequence: one item each, (frames, height, width) in pixels."""
-SEQUENCE_TOWERS = ("qwen2.5-vl", "qwen3-vl")
+TOWERS = ("qwen2.5-vl", "qwen3-vl")
 TINY_SCALE = 4
 """--tiny divides the requests' pixel sizes by this (56-336 px), so the CPU's dense attention masks stay small."""
 
@@ -114,13 +118,15 @@ def _slowest(latencies: list[float]) -> list[float]:
 
 def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
     """One rank of one group: warm up, run the requests back to back, time the 4-image requests; rank 0 writes."""
-    from vgraph_compile.sample_models.qwen_towers import qwen_tower
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     device, dtype = _join(rank, ranks, directory, args)
     cuda = device.type == "cuda"
+    compiled = None
     try:
         start = time.perf_counter()
-        tower = qwen_tower("qwen2.5-vl", device=device, dtype=dtype, **(TINY_TOWER if args.tiny else {}))
+        name = args.trace_tower
+        tower = qwen_tower(name, device=device, dtype=dtype, **(TOY_SIZES[name] if args.tiny else {}))
         options = TINY_OPTIONS if args.tiny else {}
         group = dist.group.WORLD if ranks > 1 else None
         compiled = compile_vision_tower(tower, process_group=group, parallel=args.parallel, **options)
@@ -134,7 +140,9 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
             warmup_s = time.perf_counter() - start
             report = {"warmup_s": round(warmup_s, 1)}
             if ranks > 1:
-                report["max_abs_diff_vs_one_rank"] = _vs_one_rank(compiled, requests[0], width, device, dtype)
+                report["max_abs_diff_vs_one_rank"] = max(
+                    _vs_one_rank(compiled, grid, width, device, dtype) for grid in requests
+                )
             inputs = [_inputs(grid, width, device, dtype, index) for index, grid in enumerate(requests)]
             dist.barrier()
             synchronize(device)
@@ -163,7 +171,7 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
         )
         _write(directory, report)
     finally:
-        dist.destroy_process_group()
+        _teardown(None if args.no_close else compiled)
 
 
 def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
@@ -175,7 +183,7 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
     device, dtype = _join(rank, ranks, directory, args)
     try:
         report = {}
-        for name in SEQUENCE_TOWERS:
+        for name in args.towers:
             tower = qwen_tower(name, device=device, dtype=dtype, **(TOY_SIZES[name] if args.tiny else {}))
             config = tower.config
             geometry = config_geometry(config, getattr(config, "window_size", None) if name == "qwen2.5-vl" else None)
@@ -196,7 +204,8 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
             if args.tiny:
                 options.update(compiler="eager", attention_backend="sdpa")
             group = dist.group.WORLD if ranks > 1 else None
-            compiled = compile_vision_tower(tower, process_group=group, parallel="sequence", **options)
+            mode = "auto" if args.parallel == "auto" else "sequence"
+            compiled = compile_vision_tower(tower, process_group=group, parallel=mode, **options)
             (width,) = compiled.interface.pixel_shape
             cases = {}
             with torch.inference_mode():
@@ -209,20 +218,92 @@ def _sequence_rank(rank: int, ranks: int, directory: str, args) -> None:
                         latencies.append(_timed(device, lambda: compiled(pixel_values, grid_thw)))
                     summary = Result(latencies_ms=_slowest(latencies)).summary()
                     cases[case] = {"grid": grid, "slice_rows": sizes[case], "p50_ms": summary["p50_ms"],
-                                   "mean_ms": summary["mean_ms"]}
+                                   "mean_ms": summary["mean_ms"], "parallel_calls": dict(compiled.parallel_calls)}
+                    compiled.parallel_calls.clear()
                     if case == "1x1792^2":
-                        stock = compiled.tower(pixel_values, grid_thw).pooler_output.float()
+                        stock = compiled.tower(pixel_values, grid_thw.to(device)).pooler_output.float()
                         error = (out.pooler_output.float() - stock).norm() / stock.norm()
                         cases[case]["pooler_rel_err_vs_stock_eager"] = round(float(error), 5)
+                    if args.profile and device.type == "cuda":
+                        cases[case]["profile"] = sequence_profile(compiled, pixel_values, grid_thw, sizes[case])
             report[name] = {"warmup_s": round(time.perf_counter() - start, 1), "cases": cases,
                             "stats": compiled.stats_table()}
             print(f"rank {rank}/{ranks} {name}: {cases}", flush=True)
+            if not args.no_close:
+                compiled.close()
             del compiled, tower
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         _write(directory, report)
     finally:
-        dist.destroy_process_group()
+        _teardown(None)
+
+
+def _teardown(compiled) -> None:
+    """Release the tower's sequence-parallel graphs (their captured all-to-alls hold the NCCL communicator:
+    ``CompiledVisionTower.close``), then destroy the group, and say how long that took."""
+    if compiled is not None:
+        compiled.close()
+    begin = time.perf_counter()
+    dist.destroy_process_group()
+    print(f"destroy_process_group: {time.perf_counter() - begin:.2f} s", flush=True)
+
+
+def sequence_profile(compiled, pixel_values, grid_thw, slice_rows: int, calls: int = 5) -> dict:
+    """Where one sequence-parallel call's time goes, on every rank (rank 0 returns all of them):
+
+    - ``ranks``: per rank, device ms per call by kernel kind (all-to-all, attention, gemm...: ``kernel_breakdown``
+      of the graphs' replays, collectives captured inside them) and host ms per call (the call's Python and
+      launches, no sync): a rank whose device time is the longest holds the others at the next all-to-all;
+    - ``all_to_all_outside_graphs_ms``: one eager ``all_to_all_single`` of a layer's q (``[rows, heads, head_dim]``
+      with heads padded to a multiple of the ranks), against ``all_to_all_in_graphs_ms``, the captured ones' mean;
+    - ``heads`` and ``padded_heads``: the share of attention (and all-to-all bytes) spent on padding heads.
+    """
+    from vgraph_compile.bench.kernel_profile import kernel_breakdown
+
+    device = pixel_values.device
+    ranks = dist.get_world_size()
+    breakdown = kernel_breakdown(lambda: compiled(pixel_values, grid_thw), calls=calls)
+    synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(calls):
+        compiled(pixel_values, grid_thw)
+    host_ms = (time.perf_counter() - begin) * 1e3 / calls
+    synchronize(device)
+    attention = next(m for m in compiled.tower.modules() if hasattr(m, "num_heads") and hasattr(m, "head_dim"))
+    heads, head_dim = attention.num_heads, attention.head_dim
+    padded = -(-heads // ranks) * ranks
+    chunk = torch.randn(slice_rows * padded * head_dim, device=device, dtype=pixel_values.dtype)
+    received = torch.empty_like(chunk)
+    dist.all_to_all_single(received, chunk)
+    dist.barrier()
+    synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dist.all_to_all_single(received, chunk)
+    end.record()
+    end.synchronize()
+    in_graphs = breakdown["by_kind_ms"].get("all-to-all (nccl)", 0.0) / max(
+        breakdown["by_kind_calls"].get("all-to-all (nccl)", 0), 1
+    )
+    mine = {
+        "device_ms_per_call": breakdown["device_ms_total"],
+        "by_kind_ms": breakdown["by_kind_ms"],
+        "host_ms_per_call": round(host_ms, 3),
+        "all_to_all_in_graphs_ms": round(in_graphs, 4),
+        "all_to_all_outside_graphs_ms": round(start.elapsed_time(end) / 20, 4),
+        "top": breakdown["top"][:8],
+    }
+    every = [None] * ranks
+    dist.all_gather_object(every, mine)
+    return {
+        "heads": heads,
+        "padded_heads": padded,
+        "padding_share": round((padded - heads) / padded, 3),
+        "slice_rows": slice_rows,
+        "ranks": every,
+    }
 
 
 def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
@@ -270,7 +351,8 @@ def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
 
 
 def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Largest difference between this group's output and this rank alone (process_group=None) on one request."""
+    """Largest difference between this group's output and this rank alone (process_group=None) on one request,
+    over every field (Qwen3-VL's deepstack features too)."""
     pixel_values, grid_thw = _inputs(grid, width, device, dtype, 0)
     spread = compiled(pixel_values, grid_thw)
     group, compiled.process_group = compiled.process_group, None
@@ -279,6 +361,7 @@ def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.
     finally:
         compiled.process_group = group
     fields = [(spread.pooler_output, alone.pooler_output), (spread.last_hidden_state, alone.last_hidden_state)]
+    fields += zip(getattr(spread, "deepstack_features", None) or (), getattr(alone, "deepstack_features", None) or ())
     return max(float((a.float() - b.float()).abs().max()) for a, b in fields)
 
 
@@ -302,6 +385,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sequence", action="store_true", help="also one large item per call, sequence parallel")
     parser.add_argument("--sequence-repeats", type=int, default=20, help="timed calls per item with --sequence")
     parser.add_argument("--skip-trace", action="store_true", help="skip the trace and 4-image groups")
+    parser.add_argument(
+        "--towers", nargs="+", choices=TOWERS, default=list(TOWERS), help="towers of the trace and of --sequence"
+    )
+    parser.add_argument("--profile", action="store_true", help="with --sequence: where each case's time goes")
+    parser.add_argument(
+        "--no-close",
+        action="store_true",
+        help="diagnosis: destroy each group with its tower's sequence graphs alive (their captured all-to-alls "
+        "hold the NCCL communicator: destroy_process_group waits on NCCL >= 2.26, pytorch#115388)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
@@ -311,15 +404,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "model": "qwen2.5-vl vision tower, "
-        + ("toy size, fp32" if args.tiny else "released size (Qwen2.5-VL-7B), random weights, bf16"),
+        "model": f"{', '.join(args.towers)} vision tower(s), "
+        + ("toy size, fp32" if args.tiny else "released size, random weights, bf16"),
         "workload": {"trace_requests": args.requests, "latency_requests": args.latency_requests, "seed": args.seed},
         "env": {"NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]},
         "groups": {},
     }
     report["workload"]["parallel"] = args.parallel
     if args.sequence:
-        report["sequence"] = {"groups": {str(ranks): run_group(_sequence_rank, ranks, args) for ranks in args.ranks}}
+        report["sequence"] = {
+            "mode": "auto" if args.parallel == "auto" else "sequence",
+            "groups": {str(ranks): run_group(_sequence_rank, ranks, args) for ranks in args.ranks},
+        }
         groups = report["sequence"]["groups"]
         if "1" in groups and len(groups) > 1:
             ratios = {
@@ -335,21 +431,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["sequence"]["one_image_latency_ratio"] = max(row["1x1792^2"] for row in ratios[most].values())
             print(f"sequence latency vs 1 rank: {ratios} (target <= 0.6 at 1x1792^2 on 2 GPUs)", flush=True)
         write_report(report, args.json)
-    for ranks in [] if args.skip_trace else args.ranks:
-        report["groups"][str(ranks)] = run_group(_tower_rank, ranks, args)
-        print(f"{ranks} rank(s): {report['groups'][str(ranks)]}", flush=True)
+    for name in [] if args.skip_trace else args.towers:
+        args.trace_tower = name
+        groups = report["groups"].setdefault(name, {})
+        for ranks in args.ranks:
+            groups[str(ranks)] = run_group(_tower_rank, ranks, args)
+            print(f"{name}, {ranks} rank(s): {groups[str(ranks)]}", flush=True)
+        if "1" in groups and len(groups) > 1:
+            one = groups["1"]["requests_per_s"]
+            ratios = {ranks: round(group["requests_per_s"] / one, 3) for ranks, group in groups.items()}
+            report.setdefault("throughput_vs_1_rank", {})[name] = ratios
+            print(f"{name} throughput vs 1 rank: {ratios} (target >= 1.8 on 2 GPUs)", flush=True)
+        write_report(report, args.json)
     if args.vlm_requests:
         report["vlm"] = {str(ranks): run_group(_vlm_rank, ranks, args) for ranks in args.ranks}
         first = report["vlm"][str(args.ranks[0])]["first_tokens"]
         for ranks, group in report["vlm"].items():
             group["first_tokens_equal_to_first_group"] = sum(a == b for a, b in zip(group.pop("first_tokens"), first))
             print(f"whole VLM, {ranks} rank(s): {group}", flush=True)
-    if "1" in report["groups"] and len(report["groups"]) > 1:
-        one = report["groups"]["1"]["requests_per_s"]
-        report["throughput_vs_1_rank"] = {
-            ranks: round(group["requests_per_s"] / one, 3) for ranks, group in report["groups"].items()
-        }
-        print(f"throughput vs 1 rank: {report['throughput_vs_1_rank']} (target >= 1.8 on 2 GPUs)")
     write_report(report, args.json)
     return report
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 import vgraph_compile
 from vgraph_compile.bench.flops import matmul_peak_tflops, tower_flops
+from vgraph_compile.bench.kernel_profile import kernel_breakdown
 from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.bench.workload import to_grid
@@ -54,14 +55,6 @@ ENCODER_CASES = {
     "1 image, 4096 tokens": [4096],
     "3 large images, 11072 tokens": [4096, 3600, 3376],
 }
-KINDS = {
-    "attention": ("flash", "fmha", "attn", "sdpa", "cudnn"),
-    "gemm": ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "_mm_"),
-    "triton (inductor fused)": ("triton",),
-}
-"""Kernel kinds of the breakdown, by substrings of the kernel name (first match wins; the rest is ``other``)."""
-
-
 class KernelTimingLog(logging.Handler):
     """Keeps the messages of ``rewrite.kernel_choice`` (what ``auto`` timed and kept) since the last ``take()``."""
 
@@ -115,33 +108,6 @@ class So400mEncoder(nn.Module):
 
 def relative(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def kernel_breakdown(fn, top: int = 15) -> dict:
-    """One call of ``fn`` under the torch profiler: the top kernels by device time and the time per kind."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = []
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if us > 0:
-            kernels.append((event.key, us / 1e3, event.count))
-    kernels.sort(key=lambda kernel: -kernel[1])
-    kinds: dict[str, float] = {}
-    for name, ms, _ in kernels:
-        lowered = name.lower()
-        kind = next((kind for kind, marks in KINDS.items() if any(mark in lowered for mark in marks)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + ms
-    total = sum(ms for _, ms, _ in kernels)
-    return {
-        "device_ms_total": round(total, 3),
-        "by_kind_ms": {kind: round(ms, 3) for kind, ms in sorted(kinds.items(), key=lambda item: -item[1])},
-        "top": [{"kernel": name[:160], "ms": round(ms, 3), "calls": count} for name, ms, count in kernels[:top]],
-    }
 
 
 def measure_tower(family, device, peak, repeats, warmup, toy, breakdown) -> dict:

@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator
@@ -50,6 +51,10 @@ OPTIONS = dict(token_budgets=[64, 256], max_items=3, max_frames=6, compiler="eag
 over 256 patches runs its trace eagerly (sequence parallel, on every rank alike)."""
 
 
+_TOWERS: list = []
+"""Every tower compiled over a group in this process (closed before its group is destroyed)."""
+
+
 @functools.cache
 def compiled(name: str, group):
     """The toy tower ``name`` (``TOY_SIZES``) compiled over ``group``, once per process."""
@@ -57,7 +62,8 @@ def compiled(name: str, group):
     from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     tower = qwen_tower(name, "cpu", torch.float32, **TOY_SIZES[name])
-    return compile_vision_tower(tower, process_group=group, **OPTIONS)
+    _TOWERS.append(compile_vision_tower(tower, process_group=group, **OPTIONS))
+    return _TOWERS[-1]
 
 
 @contextlib.contextmanager
@@ -112,6 +118,7 @@ def tiny_vlm(group):
         logits = model(**model_in).logits
         tokens = model.generate(**model_in, max_new_tokens=4, do_sample=False)
     compile_vlm(model, process_group=group, **{**OPTIONS, "max_items": 4})
+    _TOWERS.append(model.model.visual)
     return model, model_in, logits, tokens
 
 
@@ -130,12 +137,28 @@ def vlm_equals_stock(group) -> collections.Counter:
     return tower.parallel_calls
 
 
+def single(tower, pixel_values, grid_thw):
+    """The single-process call of ``tower``: the same graphs, no collective."""
+    group, tower.process_group = tower.process_group, None
+    try:
+        return tower(pixel_values, grid_thw)
+    finally:
+        tower.process_group = group
+
+
+DESTROY_SECONDS = "destroy_process_group seconds"
+"""The key under which each rank records how long its ``destroy_process_group`` took."""
+
+
 def _check_name(check: Callable) -> str:
     return f"{check.__module__}.{check.__name__}"
 
 
 def _rank(rank: int, ranks: int, directory: str) -> None:
+    """Run the checks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (before each collective, the ranks compare what they
+    are about to issue, and a mismatch raises), close the compiled towers and time ``destroy_process_group``."""
     torch.set_num_threads(1)
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.init_process_group(
         "gloo",
         init_method=f"file://{directory}/init",
@@ -153,9 +176,13 @@ def _rank(rank: int, ranks: int, directory: str) -> None:
                 except Exception:
                     results[_check_name(check)] = traceback.format_exc()
     finally:
+        for tower in _TOWERS:
+            tower.close()
+        begin = time.perf_counter()
+        dist.destroy_process_group()
+        results[DESTROY_SECONDS] = time.perf_counter() - begin
         with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
             json.dump(results, handle)
-        dist.destroy_process_group()
 
 
 def start_server() -> None:

@@ -22,6 +22,7 @@ from tests.hf.gloo_group import (
     fields,
     inputs,
     parallel,
+    single,
     tiny_vlm,
     vlm_equals_stock,
 )
@@ -82,6 +83,7 @@ CASES = {
     "fewer items than ranks": [(1, 8, 8)],
     "one huge item": [(1, 4, 4), (1, 24, 24), (2, 4, 8)],
     "videos": [(3, 8, 8), (1, 4, 12), (2, 4, 4), (1, 8, 4), (4, 4, 4)],
+    "one long video, its frames over the ranks": [(4, 8, 8), (1, 4, 4)],
     "no items": [],
     **{f"random {seed}": _random_grid(seed) for seed in range(2)},
 }
@@ -92,25 +94,16 @@ FAMILIES = {2: ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"], 3: ["qwen2.5-vl"]}
 """The towers each group runs (each traces once per process, some 3 s of CPU): 3 ranks run the window-ordered one."""
 
 
-def _single(tower, pixel_values, grid_thw):
-    """The single-process call: the same graphs, no collective."""
-    group, tower.process_group = tower.process_group, None
-    try:
-        return tower(pixel_values, grid_thw)
-    finally:
-        tower.process_group = group
-
-
 def _towers_equal_single_process(group):
     for name in FAMILIES[dist.get_world_size(group)]:
         tower = compiled(name, group)
         for seed, (case, grid) in enumerate(CASES.items()):
             pixel_values, grid_thw = inputs(tower, grid, seed)
             with torch.no_grad():
-                out, single = tower(pixel_values, grid_thw), _single(tower, pixel_values, grid_thw)
-            assert type(out) is type(single), (name, case)
-            assert len(fields(out)) == len(fields(single)) == (3 if name == "qwen3-vl" else 2)
-            for mine, theirs in zip(fields(out), fields(single)):
+                out, alone = tower(pixel_values, grid_thw), single(tower, pixel_values, grid_thw)
+            assert type(out) is type(alone), (name, case)
+            assert len(fields(out)) == len(fields(alone)) == (3 if name == "qwen3-vl" else 2)
+            for mine, theirs in zip(fields(out), fields(alone)):
                 assert mine.shape == theirs.shape, (name, case)
                 torch.testing.assert_close(
                     mine, theirs, rtol=1e-5, atol=1e-5, msg=lambda m, at=f"{name}, {case}": f"{at}: {m}"
@@ -133,8 +126,8 @@ def _mismatched_batches_raise_on_every_rank(group):
     with torch.no_grad(), pytest.raises(ValueError, match=message):
         tower(pixel_values.double() if rank == last else pixel_values, grid_thw)
     with torch.no_grad():
-        out, single = tower(pixel_values, grid_thw), _single(tower, pixel_values, grid_thw)
-    torch.testing.assert_close(out.last_hidden_state, single.last_hidden_state, rtol=1e-5, atol=1e-5)
+        out, alone = tower(pixel_values, grid_thw), single(tower, pixel_values, grid_thw)
+    torch.testing.assert_close(out.last_hidden_state, alone.last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
 def _vlm_greedy_tokens_equal_stock(group):

@@ -8,6 +8,8 @@ The groups (``tests/hf/gloo_group.py``) run the checks of ``CHECKS``; the towers
 checks compiled, switched to the mode each check tests.
 """
 
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,17 +17,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.hf.gloo_group import (
+    DESTROY_SECONDS,
     OPTIONS,
     assert_passed,
     compiled,
     fields,
     inputs,
     parallel,
+    single,
     tiny_vlm,
     vlm_equals_stock,
 )
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.hf.sequence_parallel import Split, choose, split_rows
+from vgraph_compile.hf.sequence_parallel import Split, split_rows
 
 WINDOWED = VisionGeometry(patch_size=14, spatial_merge_size=2, window_size=112)
 """Qwen2.5-VL's geometry: windows of 8 x 8 patches, so a band of whole windows is 8 patch rows."""
@@ -55,13 +59,6 @@ def test_split_examples():
     assert split_rows(((1, 128, 128),), WINDOWED, 2, 4) == Split(((1, 128, 128),), 16384, 2, 8192)
     assert split_rows(((1, 8, 8),), WINDOWED, 2, 4).rows(1) == (64, 64)
     assert split_rows(((1, 10, 10),), PLAIN, 3, 4).slice_rows == 36
-
-
-def test_auto_chooses_sequence_when_one_item_dominates():
-    one = [(1, 64, 64)]
-    assert choose(one, split_rows(tuple(one), PLAIN, 2, 4)) == "sequence"
-    even = [(1, 32, 32)] * 4
-    assert choose(even, split_rows(tuple(even), PLAIN, 2, 4)) == "data"
 
 
 @pytest.mark.parametrize(
@@ -155,6 +152,39 @@ def _auto_counts_choices_and_mismatch_raises(group):
         torch.testing.assert_close(out.pooler_output, stock.pooler_output, rtol=1e-5, atol=1e-5)
 
 
+def _stream(seed: int, count: int) -> list[list[tuple[int, int, int]]]:
+    """``count`` grids of a mixed request stream: small images alone (data parallel), one dominant image or video
+    alone (sequence parallel) or among small ones (both in one call), and no items."""
+    rng = random.Random(seed)
+    small = lambda: (1, 2 * rng.randint(2, 4), 2 * rng.randint(2, 4))  # noqa: E731
+    large = lambda: (rng.choice([1, 1, 2]), 8 * rng.randint(2, 3), 8 * rng.randint(2, 3))  # noqa: E731
+    kinds = [
+        lambda: [small() for _ in range(rng.randint(2, 4))],
+        lambda: [large()],
+        lambda: [small(), large(), *(small() for _ in range(rng.randint(0, 2)))],
+        lambda: [],
+    ]
+    return [kinds[index % len(kinds)]() if index < len(kinds) else rng.choice(kinds)() for index in range(count)]
+
+
+def _auto_stream_stays_in_step(group):
+    """A mixed stream through ``auto``: every call's every field equal to the single-process call of the same
+    graphs, and the three modes all taken. The group runs with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which checks
+    before each c10d collective (the batch check, the gathers) that every rank issues the same one, and raises on a
+    mismatch; the functional all-to-alls inside the sequence graphs are not wrapped by it, and a rank that issues
+    one the others do not fails the check at the group's timeout. The teardown is timed
+    (``test_destroy_process_group_returns_quickly``)."""
+    tower = compiled("qwen2.5-vl", group)
+    with parallel(tower, "auto") as calls, torch.no_grad():
+        for seed, grid in enumerate(_stream(dist.get_world_size(group), 12)):
+            pixel_values, grid_thw = inputs(tower, grid, seed)
+            out, alone = tower(pixel_values, grid_thw), single(tower, pixel_values, grid_thw)
+            for mine, theirs in zip(fields(out), fields(alone), strict=True):
+                assert mine.shape == theirs.shape, grid
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, msg=lambda m, at=grid: f"{at}: {m}")
+    assert set(calls) == {"data", "sequence", "sequence+data"}, calls
+
+
 def _vlm_greedy_tokens_equal_stock(group):
     """The whole tiny Qwen3-VL, sequence parallel over the group: the stock logits and greedy tokens on every
     rank, its images and video each split over the ranks."""
@@ -169,9 +199,10 @@ CHECKS = {
         _towers_equal_stock,
         _nan_image_leaves_the_others_equal,
         _auto_counts_choices_and_mismatch_raises,
+        _auto_stream_stays_in_step,
         _vlm_greedy_tokens_equal_stock,
     ],
-    3: [_towers_equal_stock],
+    3: [_towers_equal_stock, _auto_stream_stays_in_step],
 }
 
 
@@ -190,3 +221,15 @@ def test_auto_counts_choices_and_mismatch_raises(gloo_group):
 def test_vlm_greedy_tokens_equal_stock(gloo_group):
     pytest.importorskip("skimage", reason="the sample photographs come with scikit-image")
     assert_passed(gloo_group, _vlm_greedy_tokens_equal_stock, CHECKS)
+
+
+def test_auto_stream_stays_in_step(gloo_group):
+    assert_passed(gloo_group, _auto_stream_stays_in_step, CHECKS)
+
+
+def test_destroy_process_group_returns_quickly(gloo_group):
+    """Every rank's ``destroy_process_group``, after every check (the towers closed first), takes under 5 s: a
+    collective one rank issued and another did not would hold it up to the group's timeout."""
+    ranks, results = gloo_group
+    for rank, result in enumerate(results):
+        assert float(result[DESTROY_SECONDS]) < 5.0, f"rank {rank} of {ranks}"

@@ -438,3 +438,21 @@ def test_every_choice_matches_eager_and_counts_its_replays(model, routed, length
     assert counters.replays - replays == {PADDED: 1, SPLIT: 2, EXACT: 0, STOCK: 0}[choice]
     assert not out.isnan().any()
     torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_kept_buckets_serve_and_a_released_runtime_runs_eagerly(model):
+    """``keep_buckets`` (the buckets every rank of a group captured): a call its smallest bucket held before now
+    takes the next kept one; ``release`` (graphs reset before a group is destroyed): calls run eagerly, equal."""
+    compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
+    inputs = pack_images([3, 4], 12)  # 7 rows: the 16 bucket
+    with torch.no_grad():
+        compiled(*inputs)
+        runtime = compiled.vgraph.runtimes[0]
+        runtime.keep_buckets({64, 128})
+        with counters.expect(replays=1):
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+        assert [(bucket.shape.budget, bucket.stats.hits) for bucket in runtime.buckets] == [(64, 1), (128, 0)]
+        runtime.release()
+        with counters.expect(eager_fallbacks=1):
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert runtime.buckets == []

@@ -146,6 +146,23 @@ class CompiledEncoder:
                 self.pool_bytes = bucket_graphs.pool_bytes(pool)
             self.captured = True
 
+    def keep_buckets(self, budgets: set[int]) -> None:
+        """Keep only the buckets of ``budgets``; every other one's captured graph is reset (its memory and any
+        communicator it captured a collective on are released)."""
+        for bucket in self.buckets:
+            if bucket.shape.budget not in budgets and bucket.graph is not None:
+                bucket.graph.reset()
+                bucket.graph, bucket.outputs = None, ()
+        self.buckets = [bucket for bucket in self.buckets if bucket.shape.budget in budgets]
+
+    def release(self) -> None:
+        """Reset every captured graph and drop the buckets: a later call of this encoder runs eagerly. NCCL (2.26+)
+        destroys a communicator only once every CUDA graph that captured a collective on it is gone, so the graphs
+        of an encoder whose trace holds collectives are released before ``destroy_process_group``."""
+        with self._lock:
+            self.keep_buckets(set())
+            self.captured = True
+
     def share_strided(self) -> None:
         """Make each parameter of ``strided`` a strided view of its aligned tensor, so its weights are held once
         (the module keeps its shapes and ``state_dict``; eager and autograd calls take the view). Only for callers

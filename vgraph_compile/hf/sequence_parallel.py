@@ -32,21 +32,26 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.packed_tower import metadata_leaves
 
-__all__ = ["Split", "choose", "gather", "localize", "sequence_config", "split_rows"]
+__all__ = ["Split", "agree_on_buckets", "gather", "localize", "sequence_config", "split_rows"]
+
+log = logging.getLogger(__name__)
 
 Rows = tuple[int, int, int]
 
 DEFAULT_SEQUENCE_COST = 1.2
-"""``parallel="auto"``: a sequence-parallel row costs this many data-parallel rows (its attention all-to-alls)."""
+"""``parallel="auto"``: a sequence-parallel row costs this many data-parallel rows (its attention all-to-alls;
+``hf/parallel_plan``)."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +99,6 @@ def split_rows(grid: tuple[Rows, ...], geometry: VisionGeometry, ranks: int, uni
         if size % unit == 0 and all(r * size >= total or r * size in allowed for r in range(1, ranks)):
             return Split(grid, total, ranks, size)
     raise AssertionError(f"no cut of {grid}: the total is a cut")  # unreachable: size == total qualifies
-
-
-def choose(grid: list[Rows], split: Split, sequence_cost: float = DEFAULT_SEQUENCE_COST) -> str:
-    """``"sequence"`` when its slice, at ``sequence_cost`` per row, is less than the most loaded data-parallel
-    rank's patches (one item dominates), else ``"data"``."""
-    data = max(data_parallel.assign(grid, split.ranks).loads)
-    return "sequence" if split.slice_rows * sequence_cost < data else "data"
 
 
 def _is_offsets(value: Any, total: int) -> bool:
@@ -185,5 +183,26 @@ def gather(
 
 def sequence_config(config, group_name: str, ranks: int, window_inputs: tuple[str, ...]):
     """``config`` for the tower's sequence graph: full attention over the ``ranks`` of the group ``group_name``, the
-    window groups (which stay local) named by their graph inputs ``window_inputs``."""
-    return dataclasses.replace(config, sequence_parallel=(group_name, ranks), window_offsets=window_inputs)
+    window groups (which stay local) named by their graph inputs ``window_inputs``. Each call takes the smallest
+    bucket that holds it (``call_choice="smallest_bucket"``): its sizes are the same on every rank, so every rank
+    takes the same bucket and runs the same collectives; a choice by each rank's own measured costs could differ
+    between ranks (one padding, another splitting or running eagerly) and leave them out of step."""
+    return dataclasses.replace(
+        config, sequence_parallel=(group_name, ranks), window_offsets=window_inputs, call_choice="smallest_bucket"
+    )
+
+
+def agree_on_buckets(runtime, budgets: tuple[int, ...], group, device: torch.device) -> None:
+    """Keep, on every rank, the buckets that every rank of ``group`` captured (a capture that ran out of memory
+    drops its bucket on that rank only): one all-reduce (MIN) of which of ``budgets`` each rank holds."""
+    held = {bucket.shape.budget for bucket in runtime.buckets}
+    mask = torch.tensor([budget in held for budget in budgets], dtype=torch.int32, device=device)
+    dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=group)
+    everywhere = {budget for budget, kept in zip(budgets, mask.tolist()) if kept}
+    if everywhere != held:
+        log.warning(
+            "sequence parallel: budgets %s are not captured on every rank; every rank serves from %s",
+            sorted(held - everywhere),
+            sorted(everywhere),
+        )
+        runtime.keep_buckets(everywhere)

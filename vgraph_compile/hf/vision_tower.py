@@ -8,7 +8,10 @@ input check, before anything runs, with the reason its video failed.
 
 Over a process group, each call is encoded data parallel (whole items per rank: ``data_parallel``) or sequence
 parallel (a slice of the rows per rank, through a second trace of the tower whose full attention spans the ranks:
-``sequence_parallel``), as ``parallel`` says; ``"auto"`` chooses per call (``sequence_parallel.choose``).
+``sequence_parallel``), as ``parallel`` says; ``"auto"`` plans per call which items go which way
+(``parallel_plan``: items too large for a rank's fair share sequence parallel, the rest data parallel). Every
+choice that decides which collectives run is a pure function of the grid, the config and the group size, so the
+ranks never run different collectives.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.entry.decorator import encoder
-from vgraph_compile.hf import data_parallel, sequence_parallel
+from vgraph_compile.hf import data_parallel, parallel_plan, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.outputs import OutputFactory
@@ -55,6 +58,24 @@ def _row_starts(grid) -> list[int]:
     for t, h, w in grid:
         starts.append(starts[-1] + t * h * w)
     return starts
+
+
+def _item_rows(pixel_values: torch.Tensor, starts: list[int], items, count: int) -> torch.Tensor:
+    """The pixel rows of ``items`` (ascending indices, of ``count`` items), one after another."""
+    if list(items) == list(range(count)):
+        return pixel_values
+    rows = [pixel_values[starts[i] : starts[i + 1]] for i in items]
+    return torch.cat(rows) if rows else pixel_values[:0]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal metadata parts: tensors of one dtype and shape with equal values, or equal plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and torch.equal(a, b)
+        )
+    return type(a) is type(b) and a == b
 
 
 class TowerCall(torch.nn.Module):
@@ -142,8 +163,10 @@ class CompiledVisionTower(TowerStandIn):
 
     With a ``process_group``, every rank of it must call with the same batch and every rank returns the whole
     output: each encodes its share of the items (``parallel="data"``: ``vgraph_compile.hf.data_parallel``), a
-    slice of the rows (``"sequence"``: ``vgraph_compile.hf.sequence_parallel``), or the mode chosen per call
-    (``"auto"``; ``parallel_calls`` counts the choices). Set it to None to encode whole batches on this rank again.
+    slice of the rows (``"sequence"``: ``vgraph_compile.hf.sequence_parallel``), or per call the large items by
+    rows and the rest by items (``"auto"``: ``vgraph_compile.hf.parallel_plan``; ``parallel_calls`` counts the
+    modes). Set it to None to encode whole batches on this rank again. Call ``close()`` on every rank before
+    ``destroy_process_group`` once a call went sequence parallel (its graphs hold the group's communicator).
     """
 
     def __init__(
@@ -184,9 +207,9 @@ class CompiledVisionTower(TowerStandIn):
             raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
         self.parallel = parallel
         self.sequence_cost = sequence_cost
-        """``parallel="auto"``: what a sequence-parallel row costs in data-parallel rows (``choose``)."""
+        """``parallel="auto"``: what a sequence-parallel row costs in data-parallel rows (``parallel_plan``)."""
         self.parallel_calls: collections.Counter[str] = collections.Counter()
-        """Calls over the process group per mode ("data", "sequence")."""
+        """Calls over the process group per mode ("data", "sequence", "sequence+data": some items each way)."""
         self.load_stats = data_parallel.LoadStats()
         self.make_output = OutputFactory(interface.output_class)
         """Builds the tower's output object from its fields (``hf/outputs``)."""
@@ -370,15 +393,16 @@ class CompiledVisionTower(TowerStandIn):
             return self._split(pixel_values, grid, batches)
 
     def _serve_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        """Every rank checks that all got the same batch, encodes its share (items or rows, by ``parallel``), and
-        gathers everyone's outputs."""
+        """Every rank checks that all got the same batch, plans the call (``_plan``: a pure function of the grid, so
+        every rank runs the same collectives), encodes its share of the sequence-parallel items' rows and of the
+        data-parallel items, and gathers everyone's outputs."""
         group = self.process_group
         try:
             (pixel_values, grid), refused = self._check(pixel_values, grid_thw), None
         except ValueError as error:
             grid, refused = [], error
         key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
-        agreed = data_parallel.same_batch(key, group, self.parameter.device)
+        agreed = data_parallel.same_batch(key, *data_parallel.check_group(group, self.parameter.device))
         if refused:
             raise refused
         if not agreed:
@@ -388,30 +412,65 @@ class CompiledVisionTower(TowerStandIn):
                 "ranks receive the same multimodal inputs"
             )
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        mode = self.parallel
-        if mode == "sequence" and self.sequence_refusal:
+        if self.parallel == "sequence" and self.sequence_refusal:
             raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
-        if grid and ranks > 1 and mode != "data" and not self.sequence_refusal:
-            split = self._row_split(tuple(grid), ranks)
-            if mode == "auto":
-                mode = sequence_parallel.choose(grid, split, self.sequence_cost)
-            if mode == "sequence":
-                self.parallel_calls[mode] += 1
-                return self._output(self._encode_sequence(pixel_values, split, self._sequence_graphs()))
-        self.parallel_calls["data"] += 1
-        self.warmup()
-        assignment = data_parallel.assign(grid, ranks)
-        self.load_stats.record(assignment)
+        if self.parallel != "sequence" and self.frames_split_exactly:
+            grid = list(parallel_plan.split_frames(grid, ranks))  # the same rows: the outputs are the same
+        plan = self._plan(grid, ranks)
+        self.parallel_calls[plan.mode] += 1
+        self.load_stats.record(plan.assignment)
         if not grid:
+            self.warmup()
             return self._output(self._encode(pixel_values, grid))
-        mine = assignment.items[rank]
         starts = _row_starts(grid)
-        rows = [pixel_values[starts[i] : starts[i + 1]] for i in mine]
-        local = self._encode(torch.cat(rows) if rows else pixel_values[:0], [grid[i] for i in mine])
-        unit, folds = rows_per_unit(self.interface.outputs)
-        units = [(starts[i + 1] - starts[i]) // unit for i in range(len(grid))]
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
-        return self._output(data_parallel.gather(local, flat_folds, units, assignment, rank, group))
+        parts = []
+        if plan.sequence:
+            rows = _item_rows(pixel_values, starts, plan.sequence, len(grid))
+            split = self._row_split(tuple(grid[i] for i in plan.sequence), ranks)
+            parts.append((plan.sequence, self._encode_sequence(rows, split, self._sequence_graphs())))
+        if plan.data:
+            self.warmup()
+            mine = [plan.data[i] for i in plan.assignment.items[rank]]
+            local = self._encode(_item_rows(pixel_values, starts, mine, len(grid)), [grid[i] for i in mine])
+            unit, folds = rows_per_unit(self.interface.outputs)
+            units = [(starts[i + 1] - starts[i]) // unit for i in plan.data]
+            flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+            gathered = data_parallel.gather(local, flat_folds, units, plan.assignment, rank, group)
+            parts.append((plan.data, gathered))
+        return self._output(self._merge(grid, parts))
+
+    def _plan(self, grid: list[tuple[int, int, int]], ranks: int) -> parallel_plan.ParallelPlan:
+        """Which items go sequence parallel, which data parallel and where: from ``parallel``, the grid and the
+        ranks alone (``parallel_plan``). ``"auto"`` plans per call; a tower a slice cannot serve goes data parallel."""
+        def slice_rows(sub_grid) -> int:
+            return self._row_split(sub_grid, ranks).slice_rows
+
+        mode = self.parallel
+        if mode == "auto" and grid and ranks > 1 and not self.sequence_refusal:
+            return parallel_plan.plan(grid, ranks, slice_rows, self.sequence_cost)
+        sequence = tuple(range(len(grid))) if mode == "sequence" and ranks > 1 else ()
+        cost, data, assignment = parallel_plan.plan_cost(grid, sequence, ranks, slice_rows, self.sequence_cost)
+        return parallel_plan.ParallelPlan(sequence, data, assignment, cost)
+
+    @functools.cached_property
+    def frames_split_exactly(self) -> bool:
+        """Whether a video's frames may be encoded as items of their own (``parallel_plan.split_frames``): the
+        grid metadata of one two-frame item equals that of its two frames as two items. The traced call sees the
+        pixel rows and that metadata only (not the grid), so the outputs are then the same rows. Not for a tower
+        that reads its grid in the graph, or serves images only."""
+        if self.interface.grid_traced or self.interface.video_failure:
+            return False
+        side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
+        with torch.inference_mode(False), routed_attention(self.tower):
+            video = self.interface.metadata.compute(torch.tensor([[2, side, 2 * side]]))
+            frames = self.interface.metadata.compute(torch.tensor([[1, side, 2 * side]] * 2))
+        if video.keys() != frames.keys():
+            return False
+        for key in video:
+            mine, theirs = metadata_leaves(video[key]), metadata_leaves(frames[key])
+            if len(mine) != len(theirs) or not all(map(_same_value, mine, theirs)):
+                return False
+        return True
 
     # -- sequence parallel --------------------------------------------------------------------------------------
     @property
@@ -435,6 +494,7 @@ class CompiledVisionTower(TowerStandIn):
         group = self.process_group
         if self.sequence_graphs is not None and self.sequence_graphs.group is group:
             return self.sequence_graphs
+        self.close()
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         window_keys = self.vgraph_config.window_offsets
         window_inputs = traced_window_offsets(self.vgraph_config)
@@ -460,7 +520,21 @@ class CompiledVisionTower(TowerStandIn):
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             self._encode_sequence(pixel_values, self._row_split(grid, ranks), graphs)
+        for runtime in graphs.compiled.vgraph.runtimes:
+            sequence_parallel.agree_on_buckets(runtime, self.vgraph_config.budgets, group, parameter.device)
         return graphs
+
+    def close(self) -> None:
+        """Release the sequence-parallel graphs: their captured all-to-alls hold the process group's NCCL
+        communicator, and NCCL (2.26+) destroys a communicator only once every graph that captured a collective on
+        it is gone, so ``destroy_process_group`` waits forever while they live (pytorch#115388). Call it on every
+        rank before ``destroy_process_group``; a later sequence-parallel call makes them again, on every rank at once.
+        Data-parallel encoding captures no collective and needs no release."""
+        graphs = self.sequence_graphs
+        if graphs is not None:
+            for runtime in graphs.compiled.vgraph.runtimes:
+                runtime.release()
+            self.__dict__["sequence_graphs"] = None
 
     def _encode_sequence(
         self, pixel_values: torch.Tensor, split: sequence_parallel.Split, graphs: _SequenceGraphs
@@ -484,13 +558,24 @@ class CompiledVisionTower(TowerStandIn):
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
         keeps each item's rows together, in item order, so ``last_hidden_state`` comes out as one call gives it."""
         starts = _row_starts(grid)
-        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
-        pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
+        parts = []
         for batch in batches:
             rows = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in batch.items])
-            outputs = self._run(rows, tuple(grid[i] for i in batch.items))
+            parts.append((batch.items, self._run(rows, tuple(grid[i] for i in batch.items))))
+        return self._merge(grid, parts)
+
+    def _merge(self, grid, parts) -> list[torch.Tensor]:
+        """The flat output fields of every item in the caller's order, from ``parts``: (items, their flat outputs,
+        each item's rows after the previous item's, in the order listed). One part listing every item in order is
+        returned as it is."""
+        if len(parts) == 1 and list(parts[0][0]) == list(range(len(grid))):
+            return list(parts[0][1])
+        starts = _row_starts(grid)
+        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
+        pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
+        for items, outputs in parts:
             offset = 0
-            for index in batch.items:
+            for index in items:
                 size = starts[index + 1] - starts[index]
                 for flat, output in enumerate(outputs):
                     pieces[flat][index] = output[offset // per_row[flat] : (offset + size) // per_row[flat]]
@@ -536,8 +621,10 @@ def compile_packed_tower(
     the same full batch and gets the full output, equal to a single-process call. ``parallel``: ``"data"``, each
     rank encodes a share of the items balanced by patches (``vgraph_compile.hf.data_parallel``); ``"sequence"``,
     each encodes a slice of the packed rows, its full attention spanning the ranks
-    (``vgraph_compile.hf.sequence_parallel``); ``"auto"``, per call, sequence when its slice at ``sequence_cost``
-    per row is smaller than the most loaded data-parallel rank's share. None: this process alone.
+    (``vgraph_compile.hf.sequence_parallel``); ``"auto"``, per call, the items too large for a rank's fair share
+    sequence parallel (a row of it costing ``sequence_cost`` rows) and the rest data parallel
+    (``vgraph_compile.hf.parallel_plan``). None: this process alone. With ``"sequence"`` or ``"auto"``, call the
+    tower's ``close()`` on every rank before ``destroy_process_group``.
     """
     if isinstance(tower, CompiledVisionTower):
         tower = tower.tower

@@ -17,7 +17,7 @@ multiple of 16 bytes of the weight's dtype, or whenever ``VGraphConfig.align_mat
 
 The pass marks each padded parameter's placeholder with ``meta["vgraph.padded_shape"]``; the build pads the
 tensors (the pass allocates nothing): a row-padded one owns the module parameter's storage, the parameter a view
-of it (``compile/build._aligned``).
+of it (``compile/assemble._aligned``).
 
 Before/After (``n = 60`` padded to 64)::
 

@@ -180,6 +180,23 @@ class VGraphRuntime:
         """Whether a caller that can run the user's module on a call should offer it (``stock`` of ``__call__``)."""
         return self.call_choice in ("measured", "stock")
 
+    def keep_buckets(self, budgets: set[int]) -> None:
+        """Serve from the buckets of ``budgets`` only (the others' graphs reset): the processes of a group whose
+        graphs hold collectives keep the buckets every one of them captured, so all choose alike."""
+        with self._lock:
+            self.encoder.keep_buckets(budgets)
+            self._chosen.clear()
+            self._views.clear()
+            self._routes.clear()
+
+    def release(self) -> None:
+        """Reset every captured graph (``CompiledEncoder.release``); later calls run eagerly."""
+        with self._lock:
+            self.encoder.release()
+            self._chosen.clear()
+            self._views.clear()
+            self._routes.clear()
+
     # -- per call ----------------------------------------------------------------------------------------------
 
     @staticmethod
