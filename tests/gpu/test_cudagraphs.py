@@ -34,7 +34,9 @@ def models():
 def compiled(models):
     """Warmed up: one trace, one inductor compile (the 4 identical blocks as calls of one subgraph), one captured
     graph per budget."""
-    compiled = vgraph_compile.encoder(models[1], token_budgets=BUDGETS, max_segments=8)
+    compiled = vgraph_compile.encoder(
+        models[1], token_budgets=BUDGETS, max_segments=8, call_choice="smallest_bucket"
+    )
     with (
         torch.inference_mode(),
         counters.expect(

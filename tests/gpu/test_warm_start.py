@@ -27,7 +27,7 @@ from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 torch.manual_seed(1)
 model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).cuda().eval()
 compiled = vgraph_compile.encoder(model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa",
-                                  artifact_dir=sys.argv[1])
+                                  call_choice="smallest_bucket", artifact_dir=sys.argv[1])
 errors = []
 with torch.no_grad():
     for lengths in json.loads(sys.argv[2]):
@@ -46,7 +46,8 @@ def test_a_second_process_captures_and_replays_the_saved_plan(tmp_path):
     torch.manual_seed(0)
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).cuda().eval()
     compiled = vgraph_compile.encoder(
-        model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa", artifact_dir=str(tmp_path)
+        model, token_budgets=(16, 64), max_segments=4, attention_backend="sdpa", artifact_dir=str(tmp_path),
+        call_choice="smallest_bucket",
     )
     with torch.no_grad():
         compiled(*pack_images([5, 7], 12, device="cuda"))
@@ -74,7 +75,9 @@ def test_keyed_tower_calls_replay_with_staged_metadata_and_aligned_weights_held_
     torch._dynamo.reset()
     sizes = {**TOY_SIZES["qwen2.5-vl"], "intermediate_size": 58}
     tower = qwen_tower("qwen2.5-vl", device="cuda", dtype=torch.float32, **sizes)
-    served = compile_vision_tower(tower, token_budgets=[128, 512], max_items=3, max_frames=6)
+    served = compile_vision_tower(
+        tower, token_budgets=[128, 512], max_items=3, max_frames=6, call_choice="smallest_bucket"
+    )
     width = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
     grids = [torch.tensor([[1, 8, 12], [1, 4, 4]]), torch.tensor([[1, 16, 8]])]
     inputs = [(torch.randn(int(grid.prod(-1).sum()), width, device="cuda"), grid) for grid in grids]

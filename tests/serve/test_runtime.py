@@ -326,7 +326,9 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
     monkeypatch.setattr(bucket_graphs, "pool_bytes", lambda pool: 0)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
-    compiled = vgraph_compile.encoder(model, token_budgets=BUDGETS, max_segments=6, compiler="eager")
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket"
+    )
     with monkeypatch.context() as patch:
         patch.setattr("vgraph_compile.pipeline.cudagraphs_wanted", lambda ctx: True)
         inputs = pack_images([3, 4], 12)  # fits the 16 bucket, which the capture drops
