@@ -9,13 +9,14 @@ duration of a call, leaving the tower's own setting in place outside it. transfo
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Iterator
 
 import torch
 
 from vgraph_compile.kernels.ops import varlen_attention
 
-__all__ = ["ATTENTION_NAME", "routed_attention", "vgraph_flash_attention"]
+__all__ = ["ATTENTION_NAME", "routed_attention", "routed_config", "vgraph_flash_attention"]
 
 ATTENTION_NAME = "vgraph_flash_varlen"
 """Registered with transformers' ``AttentionInterface``; contains "flash" so the towers pass cu_seqlens."""
@@ -62,3 +63,11 @@ def routed_attention(tower: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield tower
     finally:
         config._attn_implementation = previous
+
+
+def routed_config(config):
+    """A shallow copy of a tower's ``config`` that selects vgraph's op; ``config`` itself is unchanged."""
+    _register()
+    routed = copy.copy(config)
+    routed._attn_implementation = ATTENTION_NAME
+    return routed

@@ -1,0 +1,290 @@
+"""The block program of a vision tower: which module list holds its transformer blocks, and where each block
+call's arguments come from, learned from one eager forward of the stock tower.
+
+``record_block_program(tower, args, kwargs)`` calls the tower once with hooks on the entries of every module list
+and a ``TorchFunctionMode`` that watches the glue (the tower's code outside the blocks). The block stack is the
+module list (the one holding the most parameters) whose entries were each called once, in order, every call after
+the first taking the previous one's output. Each leaf of a block call's arguments is then
+
+- ``threaded``: the hidden states, the previous block's output (block 0's: the stack's input);
+- an ``input`` of the program: a tensor the glue made before the stack ran (``cu_seqlens``, the position
+  embeddings; one input per tensor, however many blocks take it), or an int (``max_seqlen``; one input per value);
+- a ``constant``: anything else (None, a flag, a float), the same on every call.
+
+Invariant: a program holds only stacks whose blocks see nothing but the stack's input, the glue's tensors made
+before the stack, and ints: no block reads another's output but the previous one's, the glue reads no block's
+output but the last one's, and no block takes a host list (the grid as Python ints). Otherwise
+``BlocksRefused`` names what broke, with the file and line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "record_block_program"]
+
+
+class BlocksRefused(ValueError):
+    """Not even the tower's blocks can be served from graphs; the message names the reason."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """Where one leaf of a block call's flattened ``(args, kwargs)`` comes from."""
+
+    source: Literal["threaded", "input", "constant"]
+    index: int = 0
+    """``input``: the program input's position."""
+    value: Any = None
+    """``constant``: the value every call passes."""
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One block's call: the structure of its ``(args, kwargs)`` and the source of each leaf."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Leaf, ...]
+
+
+@dataclass(frozen=True)
+class BlockProgram:
+    """The tower's block stack and its calls, in order."""
+
+    path: str
+    """The module list's name in the tower (``encoder.layers``)."""
+    calls: tuple[BlockCall, ...]
+    inputs: int
+    """How many program inputs the calls read (tensors and ints, in first-use order)."""
+    output_spec: pytree.TreeSpec
+    """The structure of a block's output (each block's is the same)."""
+    output_leaf: int
+    """The leaf of a block's output that the next block takes (the hidden states)."""
+
+    def describe(self) -> str:
+        return f"{len(self.calls)} blocks of {self.path}, {self.inputs} inputs"
+
+
+_SHAPE_READS = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.is_floating_point,
+}
+"""Reads of a block output that do not read its values."""
+
+
+def _place() -> str:
+    """The innermost line of transformers' model code on the stack (the glue's line)."""
+    frames = [frame for frame in traceback.extract_stack() if "/transformers/models/" in frame.filename]
+    if not frames:
+        return "an unknown place"
+    frame = frames[-1]
+    return f"{frame.filename.rsplit('/transformers/', 1)[-1]}:{frame.lineno} ({frame.line})"
+
+
+@dataclass
+class _Event:
+    """One call of a module list's entry: its index, its arguments, its output."""
+
+    index: int
+    args: tuple
+    kwargs: dict
+    output: Any = None
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the calls of every module list's entries, and the first glue read of a block output."""
+
+    def __init__(self, lists: dict[str, torch.nn.ModuleList]) -> None:
+        super().__init__()
+        self.events: dict[str, list[_Event]] = {path: [] for path in lists}
+        self.depth = 0
+        self.outputs: dict[int, tuple[str, int]] = {}
+        """id of a tensor an entry returned -> (list, call number)."""
+        self.kept: list[Any] = []
+        """The outputs themselves, so their ids stay theirs while the tower runs."""
+        self.glue_reads: dict[tuple[str, int], str] = {}
+        """(list, call number) -> where the glue first read that call's output."""
+        self.handles = []
+        for path, modules in lists.items():
+            for index, module in enumerate(modules):
+                self.handles.append(module.register_forward_pre_hook(self._before(path, index), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._after(path)))
+
+    def _before(self, path: str, index: int):
+        def hook(module, args, kwargs):
+            self.depth += 1
+            self.events[path].append(_Event(index, args, dict(kwargs)))
+
+        return hook
+
+    def _after(self, path: str):
+        def hook(module, args, output):
+            self.depth -= 1
+            event = self.events[path][-1]
+            event.output = output
+            self.kept.append(output)
+            for leaf in pytree.tree_leaves(output):
+                if isinstance(leaf, torch.Tensor):
+                    self.outputs[id(leaf)] = (path, len(self.events[path]) - 1)
+
+        return hook
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth == 0 and func not in _SHAPE_READS:
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                key = self.outputs.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if key is not None and key not in self.glue_reads:
+                    self.glue_reads[key] = _place()
+        return func(*args, **kwargs)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _module_lists(tower: torch.nn.Module) -> dict[str, torch.nn.ModuleList]:
+    return {
+        path: module for path, module in tower.named_modules() if isinstance(module, torch.nn.ModuleList) and len(module)
+    }
+
+
+def _in_sequence(events: list[_Event], size: int) -> bool:
+    return [event.index for event in events] == list(range(size))
+
+
+def _threaded_leaf(events: list[_Event]) -> tuple[int, int]:
+    """(the argument leaf that takes the previous block's output, the output leaf it is), the same for every block;
+    one block: its first tensor argument and first tensor output."""
+    def tensor_positions(tree) -> list[int]:
+        return [i for i, leaf in enumerate(pytree.tree_leaves(tree)) if isinstance(leaf, torch.Tensor)]
+
+    if len(events) == 1:
+        event = events[0]
+        inputs, outputs = tensor_positions((event.args, event.kwargs)), tensor_positions(event.output)
+        if not inputs or not outputs:
+            raise BlocksRefused("its block takes or returns no tensor")
+        return inputs[0], outputs[0]
+    found = set()
+    for before, event in zip(events, events[1:]):
+        outputs = {id(leaf): position for position, leaf in enumerate(pytree.tree_leaves(before.output))}
+        pairs = [
+            (position, outputs[id(leaf)])
+            for position, leaf in enumerate(pytree.tree_leaves((event.args, event.kwargs)))
+            if isinstance(leaf, torch.Tensor) and id(leaf) in outputs
+        ]
+        if len(pairs) != 1:
+            raise BlocksRefused(f"block {event.index} does not take the output of block {before.index} as it is")
+        found.add(pairs[0])
+    if len(found) != 1:
+        raise BlocksRefused("its blocks take the previous block's output in different arguments")
+    return found.pop()
+
+
+def _host_list(tree) -> str | None:
+    """The keyword (or argument position) of a list or tuple of ints among a call's arguments, if any."""
+    args, kwargs = tree
+    for name, value in [*enumerate(args), *kwargs.items()]:
+        leaves = pytree.tree_leaves(value)
+        if isinstance(value, (list, tuple)) and leaves and all(type(leaf) is int for leaf in leaves):
+            return str(name)
+    return None
+
+
+def _program(path: str, events: list[_Event], glue_reads: dict, outputs: dict) -> BlockProgram:
+    """The program of the block stack ``path``, or ``BlocksRefused`` naming what breaks its invariant."""
+    for (list_path, number), place in glue_reads.items():
+        if list_path == path and number < len(events) - 1:
+            raise BlocksRefused(f"its glue reads the output of block {number} of {path} at {place}")
+    in_position, out_position = _threaded_leaf(events)
+    output_spec = pytree.tree_flatten(events[-1].output)[1]
+    extra = [leaf for i, leaf in enumerate(pytree.tree_leaves(events[-1].output)) if i != out_position and leaf is not None]
+    if extra:
+        raise BlocksRefused(f"its blocks return more than the hidden states ({type(extra[0]).__name__})")
+    inputs: dict[tuple[str, Any], int] = {}
+    """("tensor", id) or ("int", value) -> the program input's position, in first-use order."""
+    calls = []
+    for event in events:
+        tree = (event.args, event.kwargs)
+        host_list = _host_list(tree)
+        if host_list is not None:
+            raise BlocksRefused(
+                f"block {event.index} of {path} takes a host list ({host_list}): its own code loops over the "
+                "grid, so its shapes change with the items"
+            )
+        leaves, spec = pytree.tree_flatten(tree)
+        sources = []
+        for position, leaf in enumerate(leaves):
+            if position == in_position:
+                sources.append(Leaf("threaded"))
+            elif isinstance(leaf, torch.Tensor):
+                producer = outputs.get(id(leaf))
+                if producer is not None and producer[0] == path:
+                    raise BlocksRefused(f"block {event.index} of {path} reads the output of block {producer[1]}")
+                sources.append(Leaf("input", inputs.setdefault(("tensor", id(leaf)), len(inputs))))
+            elif type(leaf) is int:
+                sources.append(Leaf("input", inputs.setdefault(("int", leaf), len(inputs))))
+            else:
+                sources.append(Leaf("constant", value=leaf))
+        calls.append(BlockCall(spec, tuple(sources)))
+    return BlockProgram(path, tuple(calls), len(inputs), output_spec, out_position)
+
+
+@contextlib.contextmanager
+def _recording(tower: torch.nn.Module) -> Iterator[_Recorder]:
+    recorder = _Recorder(_module_lists(tower))
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        recorder.close()
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What one eager forward showed: the program, the stock output, and the stack's input and program inputs
+    of that call."""
+
+    program: BlockProgram
+    output: Any
+    hidden: torch.Tensor
+    inputs: tuple
+
+
+def _inputs_of(program: BlockProgram, events: list[_Event]) -> tuple[torch.Tensor, tuple]:
+    """(the stack's input, the program inputs) as the recorded calls passed them."""
+    inputs: list[Any] = [None] * program.inputs
+    hidden = None
+    for call, event in zip(program.calls, events):
+        for source, leaf in zip(call.leaves, pytree.tree_leaves((event.args, event.kwargs))):
+            if source.source == "input":
+                inputs[source.index] = leaf
+            elif source.source == "threaded" and hidden is None:
+                hidden = leaf
+    return hidden, tuple(inputs)
+
+
+def record_block_program(tower: torch.nn.Module, args: tuple, kwargs: dict) -> Recorded:
+    """The tower's block program, learned from the call ``tower(*args, **kwargs)`` (see the module docstring);
+    ``BlocksRefused`` naming the reason when no module list of the tower is a block stack a program can hold."""
+    lists = _module_lists(tower)
+    with _recording(tower) as recorder:
+        output = tower(*args, **kwargs)
+    candidates = [path for path, events in recorder.events.items() if _in_sequence(events, len(lists[path]))]
+    if not candidates:
+        raise BlocksRefused("no module list of its blocks was called in sequence, each block once")
+    path = max(candidates, key=lambda name: sum(p.numel() for p in lists[name].parameters()))
+    events = recorder.events[path]
+    program = _program(path, events, recorder.glue_reads, recorder.outputs)
+    return Recorded(program, output, *_inputs_of(program, events))
