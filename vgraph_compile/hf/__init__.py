@@ -2,7 +2,9 @@
 ``compile_vision_tower(tower)`` for its tower. Packed towers pack variable-size images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL,
 EXAONE 4.5, dots3, Cohere Compass, Kimi K2.5...), and ``compile_vision_tower(tower)`` for such a tower, unmodified,
 with its own weights. Nothing is per family: the tower's grid metadata, geometry and outputs are learned from the
-tower (``packed_tower``); a tower vgraph cannot serve is refused with a ``ValueError`` naming the reason.
+tower (``packed_tower``). Tiers: the whole-tower graph (``vision_tower``, ``tiles``) where the whole forward is one
+graph, block graphs (``block_graphs``) where the forward does host work, and the stock tower, refused with a
+``ValueError`` naming the reason, only where not even its blocks can be one graph.
 
 ``tower = compile_vision_tower(model.visual, token_budgets=[...], max_items=8)`` then
 ``tower(pixel_values, grid_thw)`` returns what ``model.visual(pixel_values, grid_thw)`` returns (the tower's own
@@ -12,8 +14,9 @@ as keywords).
 """
 
 from vgraph_compile.hf.attention import routed_attention
+from vgraph_compile.hf.block_graphs import CompiledBlockTower
 from vgraph_compile.hf.tiles import CompiledTileTower
 from vgraph_compile.hf.vision_tower import CompiledVisionTower
 from vgraph_compile.hf.vlm import compile_vision_tower, compile_vlm
 
-__all__ = ["CompiledTileTower", "CompiledVisionTower", "compile_vision_tower", "compile_vlm", "routed_attention"]
+__all__ = ["CompiledBlockTower", "CompiledTileTower", "CompiledVisionTower", "compile_vision_tower", "compile_vlm", "routed_attention"]

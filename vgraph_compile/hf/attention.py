@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from typing import Iterator
 
 import torch
@@ -52,17 +53,30 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, vgraph_flash_attention)
 
 
+_routing_lock = threading.Lock()
+_routed: dict[int, tuple[int, str]] = {}
+"""id of a config routed now -> (how many blocks route it, its own setting): nested and concurrent blocks over
+one config restore its own setting when the last one leaves."""
+
+
 @contextlib.contextmanager
 def routed_attention(tower: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, ``tower`` (all its blocks share one config) attends through vgraph's op."""
     _register()
     config = tower.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+    with _routing_lock:
+        count, previous = _routed.get(id(config), (0, config._attn_implementation))
+        config._attn_implementation = ATTENTION_NAME
+        _routed[id(config)] = (count + 1, previous)
     try:
         yield tower
     finally:
-        config._attn_implementation = previous
+        with _routing_lock:
+            count, previous = _routed.pop(id(config))
+            if count > 1:
+                _routed[id(config)] = (count - 1, previous)
+            else:
+                config._attn_implementation = previous
 
 
 def routed_config(config):

@@ -25,8 +25,10 @@ Concurrent callers each have their own per-call state (thread-local) and the run
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,9 @@ class BlockStack(torch.nn.Module):
         self.blocks = blocks
         self.program = program
         self.squeezed = squeezed
+        shared = type(self).forward  # each stack its own code object: dynamo keys its traces by code (as TowerCall)
+        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
+        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
 
     def forward(self, hidden: torch.Tensor, *inputs: Any) -> torch.Tensor:
         hidden, *inputs = (value.unsqueeze(0) if squeeze else value for value, squeeze in
@@ -115,6 +120,11 @@ class _StackCall:
 
 
 _UNSET = object()
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class _BlockProxy(torch.nn.Module):
@@ -211,7 +221,15 @@ class CompiledBlockTower(TowerStandIn):
         """The first call: record the program on the stock tower, compile the stack and build its buckets on the
         recorded inputs; returns the stock output."""
         with routed_attention(self.tower):
-            recorded = record_block_program(self.tower, args, kwargs)
+            try:
+                recorded = record_block_program(self.tower, args, kwargs)
+            except BlocksRefused as refusal:
+                raise self._refusal(str(refusal)) from None
+            except Exception as error:
+                raise self._refusal(
+                    f"the stock tower fails with its attention routed through vgraph's varlen op ({_first_line(error)}):"
+                    " its blocks do not attend over packed rows with cu_seqlens"
+                ) from error
             compiled = self._compile(recorded)
         program = recorded.program
         proxies = torch.nn.ModuleList(_BlockProxy(self, index) for index in range(len(program.calls)))
@@ -232,12 +250,14 @@ class CompiledBlockTower(TowerStandIn):
         try:
             compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, squeezed)))
         except Exception as error:
-            raise BlocksRefused(
-                f"{type(self.tower).__name__} cannot be served by vgraph: the whole forward is not one graph "
-                f"({self.tier_reason}), and its blocks ({program.describe()}) are not one graph either: "
-                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            ) from error
+            raise self._refusal(f"its blocks ({program.describe()}) are not one graph either: {_first_line(error)}") from error
         return compiled
+
+    def _refusal(self, reason: str) -> BlocksRefused:
+        return BlocksRefused(
+            f"{type(self.tower).__name__} cannot be served by vgraph: the whole forward is not one graph "
+            f"({self.tier_reason}), and {reason}"
+        )
 
     def _block(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A proxy's call: the threaded hidden states for every block but the last, whose call replays the stack."""
@@ -254,7 +274,8 @@ class CompiledBlockTower(TowerStandIn):
         values = (call.hidden, *call.inputs)
         if tuple(_squeezed(value) for value in values) != stack.squeezed:
             raise _OffProgram("an input of the stack changed its leading dim")
-        hidden = self.compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, stack.squeezed)))
+        with routed_attention(self.tower):  # a call the hot path cannot take traces again, through vgraph's op
+            hidden = self.compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, stack.squeezed)))
         leaves[program.output_leaf] = hidden[None] if stack.squeezed[0] else hidden
         return pytree.tree_unflatten(leaves, program.output_spec)
 

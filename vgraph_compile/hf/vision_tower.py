@@ -208,9 +208,9 @@ class CompiledVisionTower(TowerStandIn):
         return self.compiled.vgraph.runtimes
 
     def stats_table(self) -> str:
-        """Each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
+        """The tier, and each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
         imbalance; with calls over a process group, the calls per mode."""
-        tables = [runtime.stats_table() for runtime in self.runtimes]
+        tables = ["tier: whole-tower graph", *(runtime.stats_table() for runtime in self.runtimes)]
         if self.sequence_graphs is not None:
             tables.append("sequence parallel:")
             tables.extend(runtime.stats_table() for runtime in self.sequence_graphs.compiled.vgraph.runtimes)

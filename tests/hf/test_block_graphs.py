@@ -1,0 +1,145 @@
+"""Block graphs (``hf/block_graphs``): the families whose forward does host work are served with their glue run as
+written and their block stack replayed from one bucket graph per call: equal to the eager tower (same attention
+op, fp32) on packed calls of one image, several, and a video where the family takes videos; every call after the
+first replays (a fall back to eager fails the test); a NaN image stays in its rows; concurrent callers get their own
+rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``."""
+
+import re
+import threading
+
+import pytest
+import torch
+
+from vgraph_compile.counters import counters
+from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
+from vgraph_compile.models.hf_families import build_tower
+
+SERVED = {
+    "cosmos3_edge": r"reads a grid-derived tensor on the host \(tolist\)",
+    "hunyuan_vl": r"reads a grid-derived tensor on the host \(tolist\)",
+    "hy_v4_vl": r"reads a grid-derived tensor on the host \(__int__\)",
+    "minimax_m3_vl": r"its output last_hidden_state has no fixed number of rows per patch",
+    "video_llama_3": r"its forward takes \['merge_sizes'\] besides the pixel rows and grid_thw",
+    "minicpm_ocr": r"its forward takes neither a grid",
+    "minicpmv4_6": r"its forward takes neither a grid",
+    "minicpmv4_7": r"its forward takes neither a grid",
+}
+"""Families the whole-tower graph refuses, served by block graphs, with the reason the tier names."""
+REFUSED = {
+    "lfm3_vl": r"reads a grid-derived tensor on the host .* takes a host list \(grid_thw\)",
+    "inkling2": r"no pixel row layout .* are not one graph either: .* produces a data-dependent value",
+}
+"""Families whose blocks are not one graph either, with the reasons (both tiers') the first call names."""
+IMAGES_ONLY = {"hunyuan_vl", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
+"""Families whose stock tower takes no video (one frame per grid row)."""
+TILED_ROWS = {"minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
+"""Families that take their patches as one strip image ``[1, C, P, patches * P]`` with ``target_sizes`` (h, w)."""
+MERGED_GRID = {"inkling2"}
+"""Families that take one row per merged token, ``[tokens, P*m, P*m, C]``, with the grid counted in tokens."""
+
+
+def _call(name, tower, grid):
+    """The stock tower's arguments for packed items of ``grid`` (t, h, w in patches), in the family's layout:
+    patch rows ``[patches, C*T*P*P]`` with the grid by default."""
+    config = tower.config
+    patch, channels = config.patch_size, getattr(config, "num_channels", 3)
+    grid_thw = torch.tensor(grid)
+    patches = int(grid_thw.prod(-1).sum())
+    if name in TILED_ROWS:
+        return (torch.randn(1, channels, patch, patches * patch), grid_thw[:, 1:].int()), {}
+    if name in MERGED_GRID:
+        merge = config.spatial_merge_size
+        tokens = grid_thw // torch.tensor([1, merge, merge])
+        return (torch.randn(patches // merge**2, patch * merge, patch * merge, channels), tokens), {}
+    width = channels * (getattr(config, "temporal_patch_size", 1) or 1) * patch**2
+    args = (torch.randn(patches, width), grid_thw)
+    return args, ({"merge_sizes": torch.full((len(grid),), 2)} if name == "video_llama_3" else {})
+
+
+def _served(name):
+    tower = build_tower(name, tiny=True)
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    args, kwargs = _call(name, tower, [(1, 8, 12)])
+    with torch.no_grad():
+        served(*args, **kwargs)  # records the program
+    return tower, served
+
+
+def _replayed(served, args, kwargs):
+    """The served output, and that exactly one graph replay and no eager fall back made it."""
+    before = counters.snapshot()
+    with torch.no_grad():
+        out = served(*args, **kwargs)
+    after = counters.snapshot()
+    assert after["replays"] - before["replays"] == 1  # one replay for the whole block stack
+    assert after["eager_fallbacks"] == before["eager_fallbacks"]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_served_by_block_graphs_equal_to_eager(name):
+    """One image, several, and a video (where the family takes videos): each call is one replay, and every row
+    equals the eager tower's."""
+    tower, served = _served(name)
+    assert isinstance(served, CompiledBlockTower)
+    assert served.tier_reason and re.search(SERVED[name], served.tier_reason)
+    assert "tier: block graphs" in served.stats_table()
+    t = 1 if name in IMAGES_ONLY else 2
+    for grid in ([(1, 8, 12)], [(1, 8, 8), (1, 2, 2), (1, 4, 6)], [(t, 4, 4), (1, 2, 4)]):
+        args, kwargs = _call(name, tower, grid)
+        out = _replayed(served, args, kwargs)
+        with torch.no_grad(), routed_attention(tower):
+            ref = tower(*args, **kwargs)
+        assert not out.last_hidden_state.isnan().any()
+        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_image_stays_in_its_rows():
+    """A NaN pixel in image 0: image 1's rows are finite and equal those of the call without the NaN."""
+    tower, served = _served("cosmos3_edge")
+    grid = [(1, 4, 4), (1, 4, 6)]
+    (pixel_values, grid_thw), kwargs = _call("cosmos3_edge", tower, grid)
+    clean = _replayed(served, (pixel_values, grid_thw), kwargs).last_hidden_state
+    pixel_values = pixel_values.clone()
+    pixel_values[3, 5] = float("nan")
+    poisoned = _replayed(served, (pixel_values, grid_thw), kwargs).last_hidden_state
+    rows = poisoned.shape[0] * 16 // 40  # image 0: 16 of the 40 patches
+    assert poisoned[:rows].isnan().any()
+    torch.testing.assert_close(poisoned[rows:], clean[rows:], rtol=0, atol=0)
+
+
+def test_concurrent_callers_get_their_own_rows():
+    """Two threads calling with different batches: each gets its own batch's output."""
+    tower, served = _served("cosmos3_edge")
+    calls = [_call("cosmos3_edge", tower, grid) for grid in ([(1, 4, 4)] * 3, [(1, 8, 6), (1, 2, 2)])]
+    with torch.no_grad(), routed_attention(tower):
+        expected = [tower(*args, **kwargs).last_hidden_state for args, kwargs in calls]
+    failures = []
+
+    def run(index):
+        args, kwargs = calls[index]
+        for _ in range(5):
+            with torch.no_grad():
+                out = served(*args, **kwargs).last_hidden_state
+            if out.shape != expected[index].shape or not torch.allclose(out, expected[index], atol=1e-5):
+                failures.append(index)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_when_not_even_its_blocks_are_one_graph(name):
+    """lfm3_vl's conv blocks take the grid as a Python list, inkling2's attention reads max_seqlen with .item():
+    the first call names both tiers' reasons, and nothing replays."""
+    tower = build_tower(name, tiny=True)
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    args, kwargs = _call(name, tower, [(1, 4, 6)])
+    before = counters.snapshot()["replays"]
+    with torch.no_grad(), pytest.raises(ValueError, match=REFUSED[name]):
+        served(*args, **kwargs)
+    assert counters.snapshot()["replays"] == before
