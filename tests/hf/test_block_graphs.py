@@ -12,7 +12,7 @@ import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
-from vgraph_compile.models.hf_families import build_tower
+from vgraph_compile.models.hf_families import build_tower, tower_call
 
 SERVED = {
     "cosmos3_edge": r"reads a grid-derived tensor on the host \(tolist\)",
@@ -32,34 +32,10 @@ REFUSED = {
 """Families whose blocks are not one graph either, with the reasons (both tiers') the first call names."""
 IMAGES_ONLY = {"hunyuan_vl", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
 """Families whose stock tower takes no video (one frame per grid row)."""
-TILED_ROWS = {"minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
-"""Families that take their patches as one strip image ``[1, C, P, patches * P]`` with ``target_sizes`` (h, w)."""
-MERGED_GRID = {"inkling2"}
-"""Families that take one row per merged token, ``[tokens, P*m, P*m, C]``, with the grid counted in tokens."""
-
-
-def _call(name, tower, grid):
-    """The stock tower's arguments for packed items of ``grid`` (t, h, w in patches), in the family's layout:
-    patch rows ``[patches, C*T*P*P]`` with the grid by default."""
-    config = tower.config
-    patch, channels = config.patch_size, getattr(config, "num_channels", 3)
-    grid_thw = torch.tensor(grid)
-    patches = int(grid_thw.prod(-1).sum())
-    if name in TILED_ROWS:
-        return (torch.randn(1, channels, patch, patches * patch), grid_thw[:, 1:].int()), {}
-    if name in MERGED_GRID:
-        merge = config.spatial_merge_size
-        tokens = grid_thw // torch.tensor([1, merge, merge])
-        return (torch.randn(patches // merge**2, patch * merge, patch * merge, channels), tokens), {}
-    width = channels * (getattr(config, "temporal_patch_size", 1) or 1) * patch**2
-    args = (torch.randn(patches, width), grid_thw)
-    return args, ({"merge_sizes": torch.full((len(grid),), 2)} if name == "video_llama_3" else {})
-
-
 def _served(name):
     tower = build_tower(name, tiny=True)
     served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
-    args, kwargs = _call(name, tower, [(1, 8, 12)])
+    args, kwargs = tower_call(name, tower, [(1, 8, 12)])
     with torch.no_grad():
         served(*args, **kwargs)  # records the program
     return tower, served
@@ -86,7 +62,7 @@ def test_served_by_block_graphs_equal_to_eager(name):
     assert "tier: block graphs" in served.stats_table()
     t = 1 if name in IMAGES_ONLY else 2
     for grid in ([(1, 8, 12)], [(1, 8, 8), (1, 2, 2), (1, 4, 6)], [(t, 4, 4), (1, 2, 4)]):
-        args, kwargs = _call(name, tower, grid)
+        args, kwargs = tower_call(name, tower, grid)
         out = _replayed(served, args, kwargs)
         with torch.no_grad(), routed_attention(tower):
             ref = tower(*args, **kwargs)
@@ -98,7 +74,7 @@ def test_nan_image_stays_in_its_rows():
     """A NaN pixel in image 0: image 1's rows are finite and equal those of the call without the NaN."""
     tower, served = _served("cosmos3_edge")
     grid = [(1, 4, 4), (1, 4, 6)]
-    (pixel_values, grid_thw), kwargs = _call("cosmos3_edge", tower, grid)
+    (pixel_values, grid_thw), kwargs = tower_call("cosmos3_edge", tower, grid)
     clean = _replayed(served, (pixel_values, grid_thw), kwargs).last_hidden_state
     pixel_values = pixel_values.clone()
     pixel_values[3, 5] = float("nan")
@@ -111,7 +87,7 @@ def test_nan_image_stays_in_its_rows():
 def test_concurrent_callers_get_their_own_rows():
     """Two threads calling with different batches: each gets its own batch's output."""
     tower, served = _served("cosmos3_edge")
-    calls = [_call("cosmos3_edge", tower, grid) for grid in ([(1, 4, 4)] * 3, [(1, 8, 6), (1, 2, 2)])]
+    calls = [tower_call("cosmos3_edge", tower, grid) for grid in ([(1, 4, 4)] * 3, [(1, 8, 6), (1, 2, 2)])]
     with torch.no_grad(), routed_attention(tower):
         expected = [tower(*args, **kwargs).last_hidden_state for args, kwargs in calls]
     failures = []
@@ -138,7 +114,7 @@ def test_refused_when_not_even_its_blocks_are_one_graph(name):
     the first call names both tiers' reasons, and nothing replays."""
     tower = build_tower(name, tiny=True)
     served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
-    args, kwargs = _call(name, tower, [(1, 4, 6)])
+    args, kwargs = tower_call(name, tower, [(1, 4, 6)])
     before = counters.snapshot()["replays"]
     with torch.no_grad(), pytest.raises(ValueError, match=REFUSED[name]):
         served(*args, **kwargs)
