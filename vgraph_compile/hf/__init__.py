@@ -2,7 +2,7 @@
 ``compile_vision_tower(tower)`` for its tower. Packed towers pack variable-size images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen3.5, ERNIE 4.5-VL,
 EXAONE 4.5, dots3, Cohere Compass, Kimi K2.5...), and ``compile_vision_tower(tower)`` for such a tower, unmodified,
 with its own weights. Nothing is per family: the tower's grid metadata, geometry and outputs are learned from the
-tower (``packed_tower``). Tiers: the whole-tower graph (``vision_tower``, ``tiles``) where the whole forward is one
+tower (``packed_tower``). Tiers: the whole-tower graph (``whole_tower``, ``tiles``; over a process group, ``parallel_tower``) where the whole forward is one
 graph, block graphs (``block_graphs``) where the forward does host work, and the stock tower, refused with a
 ``ValueError`` naming the reason, only where not even its blocks can be one graph.
 
@@ -16,7 +16,7 @@ as keywords).
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.block_graphs import CompiledBlockTower
 from vgraph_compile.hf.tiles import CompiledTileTower
-from vgraph_compile.hf.vision_tower import CompiledVisionTower
+from vgraph_compile.hf.whole_tower import CompiledVisionTower
 from vgraph_compile.hf.vlm import compile_vision_tower, compile_vlm
 
 __all__ = ["CompiledBlockTower", "CompiledTileTower", "CompiledVisionTower", "compile_vision_tower", "compile_vlm", "routed_attention"]

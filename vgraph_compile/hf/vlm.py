@@ -1,5 +1,5 @@
 """The one way in for Hugging Face towers: ``compile_vision_tower(tower)`` serves a packed tower (its forward takes a
-grid: ``hf/vision_tower``) or a fixed-tile tower (``forward(pixel_values[N, C, H, W])`` of one image size:
+grid: ``hf/whole_tower``) or a fixed-tile tower (``forward(pixel_values[N, C, H, W])`` of one image size:
 ``hf/tiles``), and ``compile_vlm(model)`` finds the vision tower of a whole transformers VLM and serves it in place.
 
 The model's own code is unchanged: ``model(...)``, ``generate(...)``, ``get_image_features`` and
@@ -21,7 +21,7 @@ import torch
 from vgraph_compile.hf.block_graphs import CompiledBlockTower, compile_block_tower
 from vgraph_compile.hf.metadata_plan import TowerRefused
 from vgraph_compile.hf.tiles import CompiledTileTower, compile_tile_tower, is_tile_tower
-from vgraph_compile.hf.vision_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
+from vgraph_compile.hf.whole_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
 
 __all__ = ["compile_vision_tower", "compile_vlm", "find_vision_tower"]
 
@@ -43,8 +43,9 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
        and everything it reads from the grid is grid metadata, ``compile_tile_tower`` when it takes a batch of
        same-size tiles;
     2. block graphs (``compile_block_tower``): the block stack from graphs and the glue as written, for any other
-       tower (its forward reads the grid on the host, takes other arguments...). A tower whose blocks cannot be one
-       graph either is refused at its first call with a ValueError naming the reason.
+       transformers tower (its forward reads the grid on the host, takes other arguments...). A tower whose blocks
+       cannot be one graph either is refused at its first call with a ValueError naming the reason; a module with
+       no transformers config, at once.
 
     The tier and the reason are logged once and shown in ``stats_table()``. ``options`` are those of the tier
     taken (token budgets and ``max_frames`` for packed towers, tile buckets for fixed-tile ones; ``max_items`` and
@@ -68,6 +69,11 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
             "its forward takes neither a grid (grid_thw, image_grid_thw...) of packed variable-size images nor "
             "pixel_values of one fixed image size"
         )
+        if getattr(tower, "config", None) is None:  # not a transformers tower: no attention to route
+            raise ValueError(
+                f"{name} is not a vision tower vgraph can serve: {reason}. Pass the vision tower of a transformers "
+                "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
+            )
     if options.get("process_group") is not None:
         raise ValueError(
             f"{name} cannot be served over a process_group: the whole forward is not one graph ({reason}), and "

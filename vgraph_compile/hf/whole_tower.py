@@ -6,20 +6,17 @@ learned from the tower: ``packed_tower``; cached by ``grid_metadata``), run the 
 item's rows back in the caller's order. On a tower served on images only, a grid row with t > 1 is refused by the
 input check, before anything runs, with the reason its video failed.
 
-Over a process group, each call is encoded data parallel (whole items per rank: ``data_parallel``) or sequence
-parallel (a slice of the rows per rank, through a second trace of the tower whose full attention spans the ranks:
-``sequence_parallel``), as ``parallel`` says; ``"auto"`` chooses per call (``sequence_parallel.choose``).
+Tier 1 of ``compile_vision_tower`` (``hf/vlm``): the whole forward, glue included, is one graph (``TowerCall``),
+one replay per batch. Over a process group, each call is encoded data or sequence parallel (``parallel_tower``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import inspect
 import logging
-import types
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -30,17 +27,13 @@ from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.outputs import OutputFactory
-from vgraph_compile.hf.packed_tower import (
-    PackedTower,
-    grid_argument,
-    learn_packed_tower,
-    metadata_leaves,
-    rows_per_unit,
-)
+from vgraph_compile.hf.packed_tower import PackedTower, grid_argument, learn_packed_tower, metadata_leaves
+from vgraph_compile.hf.parallel_tower import ParallelTower
 from vgraph_compile.hf.stand_in import TowerStandIn
-from vgraph_compile.hf.packing import Batch, pack
+from vgraph_compile.hf.packing import Batch, pack, row_starts
+from vgraph_compile.hf.tower_call import TowerCall, traced_window_offsets
 
-__all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
+__all__ = ["CompiledVisionTower", "compile_packed_tower", "is_packed_tower"]
 
 log = logging.getLogger(__name__)
 
@@ -48,60 +41,6 @@ Parallel = Literal["data", "sequence", "auto"]
 
 _MAX_ROWS = 2**31 - 1
 """The upper end of a metadata length's stated range (``_mark_sizes``): int32 offsets hold no more."""
-
-def _row_starts(grid) -> list[int]:
-    """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
-    starts = [0]
-    for t, h, w in grid:
-        starts.append(starts[-1] + t * h * w)
-    return starts
-
-
-class TowerCall(torch.nn.Module):
-    """The traced forward: the tower with its grid withheld (or, for a ``grid_traced`` tower, passed in as a
-    fixed-size table among the metadata) and every grid-derived value passed in, so nothing syncs the host; takes
-    and returns rows packed along dim 0 (a ``batched`` tower gets its leading dim of 1 added, and its batched
-    fields lose it); returns the output fields flat (list fields expanded).
-
-    The ``torch._check`` calls state what holds by construction (one position id per patch, one window-index entry
-    per merged token: the learned ``metadata_patches_per_row``), so the trace gives those lengths one symbol.
-
-    Each instance's ``forward`` has its own code object: dynamo keeps traces, and counts its recompile limit, per
-    code object, so towers compiled in one process never share (and exhaust) one forward's trace cache.
-    """
-
-    def __init__(self, tower: torch.nn.Module, interface: PackedTower) -> None:
-        super().__init__()
-        self.tower = tower
-        self.grid_argument = interface.grid_argument
-        self.batched = interface.batched
-        self.relations = interface.metadata_patches_per_row
-        self.outputs = interface.outputs
-        shared = type(self).forward
-        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
-        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
-
-    def forward(self, pixel_values, **metadata):
-        patches = pixel_values.shape[0]
-        for (key, part), per_row in self.relations.items():
-            value = metadata_leaves(metadata[key])[part]
-            torch._check((value.shape[0] if isinstance(value, torch.Tensor) else value) * per_row == patches)
-        rows = pixel_values[None] if self.batched else pixel_values
-        out = self.tower(rows, **{self.grid_argument: None, **metadata})
-        flat = []
-        for field in self.outputs:
-            value = out[field.name]
-            values = value if isinstance(value, (list, tuple)) else (value,)
-            flat.extend(tensor[0] if field.batched else tensor for tensor in values)
-        return tuple(flat)
-
-
-def traced_window_offsets(config: VGraphConfig) -> tuple[str, ...]:
-    """``config.window_offsets`` (the tower's metadata keys, e.g. ``cu_window_seqlens``) as the trace of
-    ``TowerCall`` names those inputs (``metadata_<key>``, from its ``**metadata``): the names the analysis matches
-    to find the window group, which then gets the window bound instead of the token budget."""
-    return tuple(f"metadata_{key}" for key in config.window_offsets)
-
 
 def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
     """Whether passing ``name=value`` to a forward with these named parameters and defaults asks for what a call
@@ -116,18 +55,7 @@ def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
     return value is False
 
 
-@dataclass(frozen=True)
-class _SequenceGraphs:
-    """The tower's sequence-parallel trace over one process group, and its per-rank grid metadata."""
-
-    group: Any
-    rank: int
-    ranks: int
-    compiled: Any
-    grid_metadata: GridMetadata
-
-
-class CompiledVisionTower(TowerStandIn):
+class CompiledVisionTower(ParallelTower, TowerStandIn):
     """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
 
     It stands in the tower's place in a model (``model.model.visual = compile_packed_tower(model.model.visual)``):
@@ -369,112 +297,6 @@ class CompiledVisionTower(TowerStandIn):
             self.split_calls += 1
             return self._split(pixel_values, grid, batches)
 
-    def _serve_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        """Every rank checks that all got the same batch, encodes its share (items or rows, by ``parallel``), and
-        gathers everyone's outputs."""
-        group = self.process_group
-        try:
-            (pixel_values, grid), refused = self._check(pixel_values, grid_thw), None
-        except ValueError as error:
-            grid, refused = [], error
-        key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
-        agreed = data_parallel.same_batch(key, group, self.parameter.device)
-        if refused:
-            raise refused
-        if not agreed:
-            raise ValueError(
-                "the ranks of process_group were called with different grid_thw (or another rank refused its "
-                "input): every rank must pass the same full batch (pixel_values, grid_thw), as tensor-parallel "
-                "ranks receive the same multimodal inputs"
-            )
-        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        mode = self.parallel
-        if mode == "sequence" and self.sequence_refusal:
-            raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
-        if grid and ranks > 1 and mode != "data" and not self.sequence_refusal:
-            split = self._row_split(tuple(grid), ranks)
-            if mode == "auto":
-                mode = sequence_parallel.choose(grid, split, self.sequence_cost)
-            if mode == "sequence":
-                self.parallel_calls[mode] += 1
-                return self._output(self._encode_sequence(pixel_values, split, self._sequence_graphs()))
-        self.parallel_calls["data"] += 1
-        self.warmup()
-        assignment = data_parallel.assign(grid, ranks)
-        self.load_stats.record(assignment)
-        if not grid:
-            return self._output(self._encode(pixel_values, grid))
-        mine = assignment.items[rank]
-        starts = _row_starts(grid)
-        rows = [pixel_values[starts[i] : starts[i + 1]] for i in mine]
-        local = self._encode(torch.cat(rows) if rows else pixel_values[:0], [grid[i] for i in mine])
-        unit, folds = rows_per_unit(self.interface.outputs)
-        units = [(starts[i + 1] - starts[i]) // unit for i in range(len(grid))]
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
-        return self._output(data_parallel.gather(local, flat_folds, units, assignment, rank, group))
-
-    # -- sequence parallel --------------------------------------------------------------------------------------
-    @property
-    def sequence_refusal(self) -> str | None:
-        """Why this tower cannot be encoded sequence parallel (None: it can). A rank's slice is rows of a
-        ``[patches, ...]`` pixel layout, and the sliced metadata is the learned plan's; a grid table read in the
-        graph is indexed by segment, which a slice does not renumber."""
-        if self.interface.batched:
-            return f"{type(self.tower).__name__} takes pixel_values with a leading batch dim"
-        if self.interface.grid_traced:
-            return f"{type(self.tower).__name__} reads {self.interface.grid_argument} inside its graph"
-        return None
-
-    def _row_split(self, grid: Grid, ranks: int) -> sequence_parallel.Split:
-        unit, _ = rows_per_unit(self.interface.outputs)
-        return sequence_parallel.split_rows(grid, self.geometry, ranks, unit)
-
-    def _sequence_graphs(self) -> _SequenceGraphs:
-        """The sequence trace over the current process group; made, and warmed up on every rank at once (each rank
-        one synthetic image of 2 x 2 windows), at the group's first sequence-parallel call."""
-        group = self.process_group
-        if self.sequence_graphs is not None and self.sequence_graphs.group is group:
-            return self.sequence_graphs
-        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        window_keys = self.vgraph_config.window_offsets
-        window_inputs = traced_window_offsets(self.vgraph_config)
-        config = sequence_parallel.sequence_config(self.vgraph_config, group.group_name, ranks, window_inputs)
-
-        def localize(grid: Grid, metadata: dict[str, Any]) -> dict[str, Any]:
-            relations = self.interface.metadata_patches_per_row
-            split = self._row_split(grid, ranks)
-            return sequence_parallel.localize(metadata, relations, window_keys, split, rank)
-
-        graphs = _SequenceGraphs(
-            group,
-            rank,
-            ranks,
-            encoder(TowerCall(self.tower, self.interface), config=config),
-            GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize=localize),
-        )
-        self.__dict__["sequence_graphs"] = graphs
-        side = 2 * self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
-        grid = ((1, side, side),) * ranks
-        parameter = self.parameter
-        shape = (ranks * side * side, *self.interface.pixel_shape)
-        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            self._encode_sequence(pixel_values, self._row_split(grid, ranks), graphs)
-        return graphs
-
-    def _encode_sequence(
-        self, pixel_values: torch.Tensor, split: sequence_parallel.Split, graphs: _SequenceGraphs
-    ) -> list[torch.Tensor]:
-        """The flat output fields of the whole batch, this rank encoding its slice of the rows."""
-        start, stop = split.rows(graphs.rank)
-        padding = pixel_values.new_zeros(split.slice_rows - (stop - start), *pixel_values.shape[1:])
-        rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
-        with self._routing(graphs.compiled):
-            local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
-        unit, folds = rows_per_unit(self.interface.outputs)
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
-        return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
-
     def _routing(self, compiled=None) -> contextlib.AbstractContextManager:
         """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
         traced = (compiled or self.compiled).traced
@@ -483,7 +305,7 @@ class CompiledVisionTower(TowerStandIn):
     def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
         keeps each item's rows together, in item order, so ``last_hidden_state`` comes out as one call gives it."""
-        starts = _row_starts(grid)
+        starts = row_starts(grid)
         per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
         pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
         for batch in batches:
