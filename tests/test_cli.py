@@ -71,7 +71,7 @@ def test_precompile_saves_an_artifact_a_later_start_loads(tmp_path, capsys):
         ("qwen2_vl", "qwen2_vl (Qwen2VisionTransformerPretrainedModel): tier: whole-tower graph"),
         (
             "cosmos3_edge",
-            "cosmos3_edge (Cosmos3EdgeVisionModel): tier: block graphs (1 blocks of encoder.layers, 2 inputs); the "
+            "cosmos3_edge (Cosmos3EdgeVisionModel): tier: block graphs (1 blocks of encoder.layers, one graph); the "
             "whole forward is not one graph: it reads a grid-derived tensor on the host (tolist) at "
             "models/cosmos3_edge/modeling_cosmos3_edge.py:385",
         ),

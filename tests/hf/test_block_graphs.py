@@ -30,10 +30,13 @@ REFUSED = {
     "inkling2": r"no pixel row layout .* are not one graph either: .* produces a data-dependent value",
 }
 """Families whose blocks are not one graph either, with the reasons (both tiers') the first call names."""
+MERGER_BETWEEN_BLOCKS = {name: dict(num_hidden_layers=3, insert_layer_id=1) for name in SERVED if "minicpm" in name}
+"""Tower fields that put MiniCPM-V's merger (4x fewer rows) between blocks 1 and 2, as block 6 of 12 in the released
+towers: the glue reads block 1's output, so the program is two graphs."""
 IMAGES_ONLY = {"hunyuan_vl", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
 """Families whose stock tower takes no video (one frame per grid row)."""
 def _served(name):
-    tower = build_tower(name, tiny=True)
+    tower = build_tower(name, tiny=True, **MERGER_BETWEEN_BLOCKS.get(name, {}))
     served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
     args, kwargs = tower_call(name, tower, [(1, 8, 12)])
     with torch.no_grad():
@@ -42,12 +45,13 @@ def _served(name):
 
 
 def _replayed(served, args, kwargs):
-    """The served output, and that exactly one graph replay and no eager fall back made it."""
+    """The served output, and that one graph replay per segment of the program (one for the whole stack, unless the
+    glue reads a block's output between blocks) and no eager fall back made it."""
     before = counters.snapshot()
     with torch.no_grad():
         out = served(*args, **kwargs)
     after = counters.snapshot()
-    assert after["replays"] - before["replays"] == 1  # one replay for the whole block stack
+    assert after["replays"] - before["replays"] == len(served.program.segments)
     assert after["eager_fallbacks"] == before["eager_fallbacks"]
     return out
 
@@ -60,6 +64,7 @@ def test_served_by_block_graphs_equal_to_eager(name):
     assert isinstance(served, CompiledBlockTower)
     assert served.tier_reason and re.search(SERVED[name], served.tier_reason)
     assert "tier: block graphs" in served.stats_table()
+    assert len(served.program.segments) == (2 if name in MERGER_BETWEEN_BLOCKS else 1)
     t = 1 if name in IMAGES_ONLY else 2
     for grid in ([(1, 8, 12)], [(1, 8, 8), (1, 2, 2), (1, 4, 6)], [(t, 4, 4), (1, 2, 4)]):
         args, kwargs = tower_call(name, tower, grid)

@@ -1,6 +1,7 @@
 """Tier 2, block graphs: a vision tower whose forward cannot be one graph (it reads the grid on the host:
 ``grid_thw.tolist()`` loops, ``.item()``, per-item splits) is served with its glue run as written and its whole
-stack of transformer blocks replayed from vgraph bucket graphs, one replay per call.
+stack of transformer blocks replayed from vgraph bucket graphs, one replay per call (one per segment where the glue
+reads the output of a block between others: MiniCPM-V's merger after block 6 makes two).
 
 How (the "block program" design; ``hf/block_program``):
 1. The first call runs the stock tower once, eagerly, with its attention routed through vgraph's op, and records
@@ -39,7 +40,7 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf.attention import routed_attention, routed_config
-from vgraph_compile.hf.block_program import BlockProgram, BlocksRefused, Recorded, record_block_program
+from vgraph_compile.hf.block_program import BlockProgram, BlocksRefused, Recorded, Segment, record_block_program
 from vgraph_compile.hf.stand_in import TowerStandIn
 
 __all__ = ["BlockStack", "CompiledBlockTower", "compile_block_tower"]
@@ -54,14 +55,15 @@ def _squeezed(value: Any) -> bool:
 
 
 class BlockStack(torch.nn.Module):
-    """The traced forward: the tower's blocks (its own modules) in sequence, each call's arguments rebuilt from the
-    program's inputs. ``squeezed`` (per input, the hidden states first) says which inputs come without their
-    leading dim of 1; the output comes back the same way as the hidden states."""
+    """The traced forward of one segment: its blocks (the tower's own modules) in sequence, each call's arguments
+    rebuilt from the segment's inputs. ``squeezed`` (per input, the hidden states first) says which inputs come
+    without their leading dim of 1; the output comes back the same way as the hidden states."""
 
-    def __init__(self, blocks: torch.nn.ModuleList, program: BlockProgram, squeezed: tuple[bool, ...]) -> None:
+    def __init__(self, blocks: torch.nn.ModuleList, segment: Segment, output_leaf: int, squeezed: tuple[bool, ...]):
         super().__init__()
         self.blocks = blocks
-        self.program = program
+        self.segment = segment
+        self.output_leaf = output_leaf
         self.squeezed = squeezed
         shared = type(self).forward  # each stack its own code object: dynamo keys its traces by code (as TowerCall)
         own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
@@ -70,13 +72,13 @@ class BlockStack(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, *inputs: Any) -> torch.Tensor:
         hidden, *inputs = (value.unsqueeze(0) if squeeze else value for value, squeeze in
                            zip((hidden, *inputs), self.squeezed))  # fmt: skip
-        for block, call in zip(self.blocks, self.program.calls):
+        for block, call in zip(self.blocks, self.segment.calls):
             leaves = [
                 hidden if leaf.source == "threaded" else inputs[leaf.index] if leaf.source == "input" else leaf.value
                 for leaf in call.leaves
             ]
             args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-            hidden = pytree.tree_leaves(block(*args, **kwargs))[self.program.output_leaf]
+            hidden = pytree.tree_leaves(block(*args, **kwargs))[self.output_leaf]
         return hidden[0] if self.squeezed[0] else hidden
 
 
@@ -86,25 +88,28 @@ class _OffProgram(Exception):
 
 @dataclass
 class _StackCall:
-    """One call's progress through the program: the blocks called so far, the stack's input, the inputs seen."""
+    """One call's progress through the program: the next block, and the open segment's hidden states and inputs."""
 
     program: BlockProgram
     next_block: int = 0
     hidden: torch.Tensor | None = None
     inputs: list[Any] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.inputs = [_UNSET] * self.program.inputs
-
-    def take(self, index: int, args: tuple, kwargs: dict) -> None:
-        """Read block ``index``'s arguments into the call's inputs; ``_OffProgram`` where they break the program."""
-        call = self.program.calls[index] if index < len(self.program.calls) else None
+    def take(self, index: int, args: tuple, kwargs: dict) -> Segment:
+        """Read block ``index``'s arguments into the open segment's inputs and return the segment; ``_OffProgram``
+        where they break the program."""
+        if index != self.next_block or index >= self.program.blocks:
+            raise _OffProgram(f"block {index} was called out of order")
+        segment = self.program.segment_of(index)
+        call = segment.calls[index - segment.first]
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if call is None or index != self.next_block or spec != call.spec:
-            raise _OffProgram(f"block {index} was called with another argument structure or out of order")
+        if spec != call.spec:
+            raise _OffProgram(f"block {index} was called with another argument structure")
+        if index == segment.first:
+            self.inputs = [_UNSET] * segment.inputs
         for leaf, source in zip(leaves, call.leaves):
             if source.source == "threaded":
-                if index == 0:
+                if index == segment.first:
                     self.hidden = leaf
                 elif leaf is not self.hidden:
                     raise _OffProgram(f"block {index} does not take block {index - 1}'s output")
@@ -117,6 +122,7 @@ class _StackCall:
             elif leaf != source.value:
                 raise _OffProgram(f"block {index} takes {leaf!r} where the program has {source.value!r}")
         self.next_block += 1
+        return segment
 
 
 _UNSET = object()
@@ -177,12 +183,14 @@ class CompiledBlockTower(TowerStandIn):
         """Record the program again at the next call (the tower's tensors changed)."""
         self.__dict__["program"] = None
         self.__dict__["compiled"] = None
+        """Per segment of the program, its compiled ``BlockStack``."""
         self.__dict__["served"] = None
         self.__dict__["_warned_off_program"] = False
 
     @property
     def runtimes(self):
-        return self.compiled.vgraph.runtimes if self.compiled is not None else []
+        """The vgraph runtimes behind this tower (one per segment's trace; normally one)."""
+        return [runtime for compiled in self.compiled or () for runtime in compiled.vgraph.runtimes]
 
     def stats_table(self) -> str:
         program = self.program.describe() if self.program is not None else "not recorded yet"
@@ -201,8 +209,8 @@ class CompiledBlockTower(TowerStandIn):
         self._local.call = _StackCall(self.program)
         try:
             output = self.served(*args, **kwargs)
-            if self._local.call.next_block != len(self.program.calls):
-                raise _OffProgram(f"the glue called {self._local.call.next_block} of {len(self.program.calls)} blocks")
+            if self._local.call.next_block != self.program.blocks:
+                raise _OffProgram(f"the glue called {self._local.call.next_block} of {self.program.blocks} blocks")
         except _OffProgram as reason:
             return self._stock(reason, args, kwargs)
         finally:
@@ -232,25 +240,28 @@ class CompiledBlockTower(TowerStandIn):
                 ) from error
             compiled = self._compile(recorded)
         program = recorded.program
-        proxies = torch.nn.ModuleList(_BlockProxy(self, index) for index in range(len(program.calls)))
+        proxies = torch.nn.ModuleList(_BlockProxy(self, index) for index in range(program.blocks))
         self.__dict__["served"] = _served_copy(self.tower, program.path, proxies)
         self.__dict__["compiled"] = compiled
         self.__dict__["program"] = program
         log.info("%s: block graphs serve %s", type(self.tower).__name__, program.describe())
         return recorded.output
 
-    def _compile(self, recorded: Recorded):
-        """The stack compiled by vgraph and traced on the recorded inputs; ``BlocksRefused`` with the trace's reason
-        when the blocks cannot be one graph either."""
+    def _compile(self, recorded: Recorded) -> list:
+        """Each segment's stack compiled by vgraph and traced on its recorded inputs; ``BlocksRefused`` with the
+        trace's reason when the blocks cannot be one graph either."""
         program = recorded.program
-        values = (recorded.hidden, *recorded.inputs)
-        squeezed = tuple(_squeezed(value) for value in values)
-        stack = BlockStack(self.tower.get_submodule(program.path), program, squeezed)
-        compiled = encoder(stack, config=self.vgraph_config)
-        try:
-            compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, squeezed)))
-        except Exception as error:
-            raise self._refusal(f"its blocks ({program.describe()}) are not one graph either: {_first_line(error)}") from error
+        blocks = self.tower.get_submodule(program.path)
+        compiled = []
+        for segment, (hidden, inputs) in zip(program.segments, recorded.segment_inputs):
+            values = (hidden, *inputs)
+            squeezed = tuple(_squeezed(value) for value in values)
+            stack = BlockStack(blocks[segment.first : segment.stop], segment, program.output_leaf, squeezed)
+            compiled.append(encoder(stack, config=self.vgraph_config))
+            try:
+                compiled[-1](*(value[0] if squeeze else value for value, squeeze in zip(values, squeezed)))
+            except Exception as error:
+                raise self._refusal(f"its blocks ({program.describe()}) are not one graph either: {_first_line(error)}") from error
         return compiled
 
     def _refusal(self, reason: str) -> BlocksRefused:
@@ -260,22 +271,24 @@ class CompiledBlockTower(TowerStandIn):
         )
 
     def _block(self, index: int, args: tuple, kwargs: dict) -> Any:
-        """A proxy's call: the threaded hidden states for every block but the last, whose call replays the stack."""
+        """A proxy's call: the threaded hidden states for every block but a segment's last, whose call replays the
+        segment's graph."""
         call: _StackCall | None = getattr(self._local, "call", None)
         if call is None:
             raise _OffProgram("a block was called outside the tower's forward")
-        call.take(index, args, kwargs)
+        segment = call.take(index, args, kwargs)
         program = self.program
         leaves = [None] * program.output_spec.num_leaves
-        if index + 1 < len(program.calls):
+        if index + 1 < segment.stop:
             leaves[program.output_leaf] = call.hidden  # never read by the glue: the next block takes it
             return pytree.tree_unflatten(leaves, program.output_spec)
-        stack: BlockStack = self.compiled.target
+        compiled = self.compiled[program.segments.index(segment)]
+        stack: BlockStack = compiled.target
         values = (call.hidden, *call.inputs)
         if tuple(_squeezed(value) for value in values) != stack.squeezed:
             raise _OffProgram("an input of the stack changed its leading dim")
         with routed_attention(self.tower):  # a call the hot path cannot take traces again, through vgraph's op
-            hidden = self.compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, stack.squeezed)))
+            hidden = compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, stack.squeezed)))
         leaves[program.output_leaf] = hidden[None] if stack.squeezed[0] else hidden
         return pytree.tree_unflatten(leaves, program.output_spec)
 

@@ -6,15 +6,17 @@ and a ``TorchFunctionMode`` that watches the glue (the tower's code outside the 
 module list (the one holding the most parameters) whose entries were each called once, in order, every call after
 the first taking the previous one's output. Each leaf of a block call's arguments is then
 
-- ``threaded``: the hidden states, the previous block's output (block 0's: the stack's input);
-- an ``input`` of the program: a tensor the glue made before the stack ran (``cu_seqlens``, the position
+- ``threaded``: the hidden states, the previous block's output (a segment's first block's: the segment's input);
+- an ``input`` of its segment: a tensor the glue made before the segment ran (``cu_seqlens``, the position
   embeddings; one input per tensor, however many blocks take it), or an int (``max_seqlen``; one input per value);
 - a ``constant``: anything else (None, a flag, a float), the same on every call.
 
-Invariant: a program holds only stacks whose blocks see nothing but the stack's input, the glue's tensors made
-before the stack, and ints: no block reads another's output but the previous one's, the glue reads no block's
-output but the last one's, and no block takes a host list (the grid as Python ints). Otherwise
-``BlocksRefused`` names what broke, with the file and line.
+The calls are cut into segments after each block whose output the glue reads (a merger between blocks): each
+segment is one graph, taking the hidden states the glue gives its first block.
+
+Invariant: a segment's blocks see nothing but its hidden states, the glue's tensors made before it ran, and ints:
+no block reads another's output but the previous one's, the glue reads no block's output but a segment's last,
+and no block takes a host list (the grid as Python ints). Otherwise ``BlocksRefused`` names what broke.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "record_block_program"]
+__all__ = ["BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "Segment", "record_block_program"]
 
 
 class BlocksRefused(ValueError):
@@ -55,21 +57,46 @@ class BlockCall:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A run of blocks the glue calls back to back, reading none of their outputs but the last: one graph."""
+
+    first: int
+    """The index of its first block in the module list."""
+    calls: tuple[BlockCall, ...]
+    inputs: int
+    """How many inputs its calls read besides the threaded hidden states (tensors and ints, in first-use order)."""
+    read_at: str | None = None
+    """Where the glue reads its last block's output (None: the stack's last segment)."""
+
+    @property
+    def stop(self) -> int:
+        return self.first + len(self.calls)
+
+
+@dataclass(frozen=True)
 class BlockProgram:
-    """The tower's block stack and its calls, in order."""
+    """The tower's block stack: its blocks' calls, in order, cut into segments where the glue reads a block's
+    output (MiniCPM-V's merger after block 6: two segments)."""
 
     path: str
     """The module list's name in the tower (``encoder.layers``)."""
-    calls: tuple[BlockCall, ...]
-    inputs: int
-    """How many program inputs the calls read (tensors and ints, in first-use order)."""
+    segments: tuple[Segment, ...]
     output_spec: pytree.TreeSpec
     """The structure of a block's output (each block's is the same)."""
     output_leaf: int
     """The leaf of a block's output that the next block takes (the hidden states)."""
 
+    @property
+    def blocks(self) -> int:
+        return self.segments[-1].stop
+
+    def segment_of(self, index: int) -> Segment:
+        return next(segment for segment in self.segments if index < segment.stop)
+
     def describe(self) -> str:
-        return f"{len(self.calls)} blocks of {self.path}, {self.inputs} inputs"
+        cuts = "; ".join(f"block {s.stop - 1}'s output read at {s.read_at}" for s in self.segments[:-1])
+        graphs = f"{len(self.segments)} graphs ({cuts})"
+        return f"{self.blocks} blocks of {self.path}, {graphs if len(self.segments) > 1 else 'one graph'}"
 
 
 _SHAPE_READS = {
@@ -164,32 +191,33 @@ def _in_sequence(events: list[_Event], size: int) -> bool:
     return [event.index for event in events] == list(range(size))
 
 
-def _threaded_leaf(events: list[_Event]) -> tuple[int, int]:
-    """(the argument leaf that takes the previous block's output, the output leaf it is), the same for every block;
-    one block: its first tensor argument and first tensor output."""
+def _threaded_leaf(runs: list[list[_Event]]) -> tuple[int, int]:
+    """(the argument leaf that takes the previous block's output, the output leaf it is), the same for every block
+    of every run; runs of one block each: the first tensor argument and first tensor output."""
     def tensor_positions(tree) -> list[int]:
         return [i for i, leaf in enumerate(pytree.tree_leaves(tree)) if isinstance(leaf, torch.Tensor)]
 
-    if len(events) == 1:
-        event = events[0]
-        inputs, outputs = tensor_positions((event.args, event.kwargs)), tensor_positions(event.output)
-        if not inputs or not outputs:
-            raise BlocksRefused("its block takes or returns no tensor")
-        return inputs[0], outputs[0]
     found = set()
-    for before, event in zip(events, events[1:]):
-        outputs = {id(leaf): position for position, leaf in enumerate(pytree.tree_leaves(before.output))}
-        pairs = [
-            (position, outputs[id(leaf)])
-            for position, leaf in enumerate(pytree.tree_leaves((event.args, event.kwargs)))
-            if isinstance(leaf, torch.Tensor) and id(leaf) in outputs
-        ]
-        if len(pairs) != 1:
-            raise BlocksRefused(f"block {event.index} does not take the output of block {before.index} as it is")
-        found.add(pairs[0])
-    if len(found) != 1:
+    for events in runs:
+        for before, event in zip(events, events[1:]):
+            outputs = {id(leaf): position for position, leaf in enumerate(pytree.tree_leaves(before.output))}
+            pairs = [
+                (position, outputs[id(leaf)])
+                for position, leaf in enumerate(pytree.tree_leaves((event.args, event.kwargs)))
+                if isinstance(leaf, torch.Tensor) and id(leaf) in outputs
+            ]
+            if len(pairs) != 1:
+                raise BlocksRefused(f"block {event.index} does not take the output of block {before.index} as it is")
+            found.add(pairs[0])
+    if len(found) > 1:
         raise BlocksRefused("its blocks take the previous block's output in different arguments")
-    return found.pop()
+    if found:
+        return found.pop()
+    event = runs[0][0]
+    inputs, outputs = tensor_positions((event.args, event.kwargs)), tensor_positions(event.output)
+    if not inputs or not outputs:
+        raise BlocksRefused("its block takes or returns no tensor")
+    return inputs[0], outputs[0]
 
 
 def _host_list(tree) -> str | None:
@@ -202,18 +230,18 @@ def _host_list(tree) -> str | None:
     return None
 
 
-def _program(path: str, events: list[_Event], glue_reads: dict, outputs: dict) -> BlockProgram:
-    """The program of the block stack ``path``, or ``BlocksRefused`` naming what breaks its invariant."""
-    for (list_path, number), place in glue_reads.items():
-        if list_path == path and number < len(events) - 1:
-            raise BlocksRefused(f"its glue reads the output of block {number} of {path} at {place}")
-    in_position, out_position = _threaded_leaf(events)
-    output_spec = pytree.tree_flatten(events[-1].output)[1]
-    extra = [leaf for i, leaf in enumerate(pytree.tree_leaves(events[-1].output)) if i != out_position and leaf is not None]
-    if extra:
-        raise BlocksRefused(f"its blocks return more than the hidden states ({type(extra[0]).__name__})")
+def _runs(events: list[_Event], path: str, glue_reads: dict) -> list[list[_Event]]:
+    """The calls cut after every block whose output the glue reads (the last block's aside)."""
+    cuts = sorted(number + 1 for (list_path, number) in glue_reads if list_path == path and number < len(events) - 1)
+    bounds = [0, *cuts, len(events)]
+    return [events[start:stop] for start, stop in zip(bounds, bounds[1:])]
+
+
+def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, glue_reads: dict) -> Segment:
+    """One run's calls, each leaf with its source; ``BlocksRefused`` where a block takes a host list or another
+    block's output than the previous one's."""
     inputs: dict[tuple[str, Any], int] = {}
-    """("tensor", id) or ("int", value) -> the program input's position, in first-use order."""
+    """("tensor", id) or ("int", value) -> the input's position, in first-use order."""
     calls = []
     for event in events:
         tree = (event.args, event.kwargs)
@@ -238,7 +266,20 @@ def _program(path: str, events: list[_Event], glue_reads: dict, outputs: dict) -
             else:
                 sources.append(Leaf("constant", value=leaf))
         calls.append(BlockCall(spec, tuple(sources)))
-    return BlockProgram(path, tuple(calls), len(inputs), output_spec, out_position)
+    return Segment(events[0].index, tuple(calls), len(inputs), glue_reads.get((path, events[-1].index)))
+
+
+def _program(path: str, events: list[_Event], glue_reads: dict, outputs: dict) -> BlockProgram:
+    """The program of the block stack ``path``, or ``BlocksRefused`` naming what breaks its invariant."""
+    runs = _runs(events, path, glue_reads)
+    in_position, out_position = _threaded_leaf(runs)
+    output_spec = pytree.tree_flatten(events[-1].output)[1]
+    extra = [leaf for i, leaf in enumerate(pytree.tree_leaves(events[-1].output)) if i != out_position and leaf is not None]
+    if extra:
+        raise BlocksRefused(f"its blocks return more than the hidden states ({type(extra[0]).__name__})")
+    segments = tuple(_segment(path, run, in_position, outputs, glue_reads) for run in runs[:-1])
+    segments += (_segment(path, runs[-1], in_position, outputs, {}),)
+    return BlockProgram(path, segments, output_spec, out_position)
 
 
 @contextlib.contextmanager
@@ -253,20 +294,19 @@ def _recording(tower: torch.nn.Module) -> Iterator[_Recorder]:
 
 @dataclass(frozen=True)
 class Recorded:
-    """What one eager forward showed: the program, the stock output, and the stack's input and program inputs
-    of that call."""
+    """What one eager forward showed: the program, the stock output, and per segment the hidden states it took and
+    its inputs in that call."""
 
     program: BlockProgram
     output: Any
-    hidden: torch.Tensor
-    inputs: tuple
+    segment_inputs: tuple[tuple[torch.Tensor, tuple], ...]
 
 
-def _inputs_of(program: BlockProgram, events: list[_Event]) -> tuple[torch.Tensor, tuple]:
-    """(the stack's input, the program inputs) as the recorded calls passed them."""
-    inputs: list[Any] = [None] * program.inputs
+def _inputs_of(segment: Segment, events: list[_Event]) -> tuple[torch.Tensor, tuple]:
+    """(the segment's hidden states, its inputs) as the recorded calls passed them."""
+    inputs: list[Any] = [None] * segment.inputs
     hidden = None
-    for call, event in zip(program.calls, events):
+    for call, event in zip(segment.calls, events[segment.first : segment.stop]):
         for source, leaf in zip(call.leaves, pytree.tree_leaves((event.args, event.kwargs))):
             if source.source == "input":
                 inputs[source.index] = leaf
@@ -287,4 +327,4 @@ def record_block_program(tower: torch.nn.Module, args: tuple, kwargs: dict) -> R
     path = max(candidates, key=lambda name: sum(p.numel() for p in lists[name].parameters()))
     events = recorder.events[path]
     program = _program(path, events, recorder.glue_reads, recorder.outputs)
-    return Recorded(program, output, *_inputs_of(program, events))
+    return Recorded(program, output, tuple(_inputs_of(segment, events) for segment in program.segments))
