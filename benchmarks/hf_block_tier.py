@@ -7,7 +7,7 @@ the family's layout (``tower_call``); ``compile_vision_tower`` must pick block g
 latency of the stock tower (sdpa) and of vgraph, their ratio, the relative error of both bf16 outputs against the
 fp32 tower, and the replays and eager fall backs the timed calls made (a fall back is a failure of the tier).
 
-    python benchmarks/hf_block_tier.py [cosmos3_edge video_llama_3 hy_v4_vl ...] [--toy] [--json PATH]
+    python benchmarks/hf_block_tier.py [cosmos3_edge lfm3_vl video_llama_3 ...] [--toy] [--json PATH]
 
 The report is written to ``benchmarks/results/hf_block_tier_<device>.json`` unless ``--json`` names another path.
 """
@@ -29,7 +29,7 @@ from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower
 from vgraph_compile.models.hf_families import build_tower, tower_call
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-FAMILIES = ("cosmos3_edge", "video_llama_3", "hy_v4_vl")
+FAMILIES = ("cosmos3_edge", "lfm3_vl", "video_llama_3")
 CASES = {
     "1x224^2": [(1, 224, 224)],
     "4x336^2": [(1, 336, 336)] * 4,

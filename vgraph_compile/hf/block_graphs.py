@@ -1,7 +1,9 @@
 """Tier 2, block graphs: a vision tower whose forward cannot be one graph (it reads the grid on the host:
 ``grid_thw.tolist()`` loops, ``.item()``, per-item splits) is served with its glue run as written and its whole
 stack of transformer blocks replayed from vgraph bucket graphs, one replay per call (one per segment where the glue
-reads the output of a block between others: MiniCPM-V's merger after block 6 makes two).
+reads the output of a block between others: MiniCPM-V's merger after block 6 makes two). A block whose own code
+loops over the grid (it takes the grid as a host list: LFM3-VL's convolution blocks) runs as written between the
+graphs.
 
 How (the "block program" design; ``hf/block_program``):
 1. The first call runs the stock tower once, eagerly, with its attention routed through vgraph's op, and records
@@ -40,7 +42,14 @@ from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf.attention import routed_attention, routed_config
-from vgraph_compile.hf.block_program import BlockProgram, BlocksRefused, Recorded, Segment, record_block_program
+from vgraph_compile.hf.block_program import (
+    BlockProgram,
+    BlocksRefused,
+    Recorded,
+    Segment,
+    flatten_arguments,
+    record_block_program,
+)
 from vgraph_compile.hf.stand_in import TowerStandIn
 
 __all__ = ["BlockStack", "CompiledBlockTower", "compile_block_tower"]
@@ -101,8 +110,11 @@ class _StackCall:
         if index != self.next_block or index >= self.program.blocks:
             raise _OffProgram(f"block {index} was called out of order")
         segment = self.program.segment_of(index)
+        if segment.host_list is not None:  # run as written: its arguments change structure with the items
+            self.next_block += 1
+            return segment
         call = segment.calls[index - segment.first]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = flatten_arguments(args, kwargs)
         if spec != call.spec:
             raise _OffProgram(f"block {index} was called with another argument structure")
         if index == segment.first:
@@ -119,7 +131,7 @@ class _StackCall:
                     self.inputs[source.index] = leaf
                 elif seen is not leaf and (isinstance(leaf, torch.Tensor) or seen != leaf):
                     raise _OffProgram(f"block {index} takes another value where an earlier block took the same one")
-            elif leaf != source.value:
+            elif source.source == "constant" and leaf != source.value:
                 raise _OffProgram(f"block {index} takes {leaf!r} where the program has {source.value!r}")
         self.next_block += 1
         return segment
@@ -190,7 +202,7 @@ class CompiledBlockTower(TowerStandIn):
     @property
     def runtimes(self):
         """The vgraph runtimes behind this tower (one per segment's trace; normally one)."""
-        return [runtime for compiled in self.compiled or () for runtime in compiled.vgraph.runtimes]
+        return [runtime for compiled in self.compiled or () if compiled for runtime in compiled.vgraph.runtimes]
 
     def stats_table(self) -> str:
         program = self.program.describe() if self.program is not None else "not recorded yet"
@@ -254,6 +266,9 @@ class CompiledBlockTower(TowerStandIn):
         blocks = self.tower.get_submodule(program.path)
         compiled = []
         for segment, (hidden, inputs) in zip(program.segments, recorded.segment_inputs):
+            if segment.host_list is not None:
+                compiled.append(None)
+                continue
             values = (hidden, *inputs)
             squeezed = tuple(_squeezed(value) for value in values)
             stack = BlockStack(blocks[segment.first : segment.stop], segment, program.output_leaf, squeezed)
@@ -277,6 +292,8 @@ class CompiledBlockTower(TowerStandIn):
         if call is None:
             raise _OffProgram("a block was called outside the tower's forward")
         segment = call.take(index, args, kwargs)
+        if segment.host_list is not None:
+            return self.tower.get_submodule(self.program.path)[index](*args, **kwargs)
         program = self.program
         leaves = [None] * program.output_spec.num_leaves
         if index + 1 < segment.stop:

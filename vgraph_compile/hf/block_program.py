@@ -16,7 +16,9 @@ segment is one graph, taking the hidden states the glue gives its first block.
 
 Invariant: a segment's blocks see nothing but its hidden states, the glue's tensors made before it ran, and ints:
 no block reads another's output but the previous one's, the glue reads no block's output but a segment's last,
-and no block takes a host list (the grid as Python ints). Otherwise ``BlocksRefused`` names what broke.
+and a block that reads a host list it takes (the grid as Python ints: LFM3-VL's convolution blocks loop over the
+items) is a segment of its own, run as written (a ``_WatchedList`` notes the reads while the call is recorded).
+Otherwise ``BlocksRefused`` names what broke.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "Segment", "record_block_program"]
+__all__ = [
+    "BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "Segment", "flatten_arguments", "record_block_program"
+]
 
 
 class BlocksRefused(ValueError):
@@ -41,11 +45,12 @@ class BlocksRefused(ValueError):
 class Leaf:
     """Where one leaf of a block call's flattened ``(args, kwargs)`` comes from."""
 
-    source: Literal["threaded", "input", "constant"]
+    source: Literal["threaded", "input", "constant", "unread"]
     index: int = 0
-    """``input``: the program input's position."""
+    """``input``: the segment input's position."""
     value: Any = None
-    """``constant``: the value every call passes."""
+    """``constant``: the value every call passes; ``unread``: a host list the block takes but never reads (LFM3-VL's
+    attention blocks get the grid list their convolution blocks loop over), passed on as recorded."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +72,13 @@ class Segment:
     """How many inputs its calls read besides the threaded hidden states (tensors and ints, in first-use order)."""
     read_at: str | None = None
     """Where the glue reads its last block's output (None: the stack's last segment)."""
+    host_list: str | None = None
+    """A block that reads a host list it takes (the grid as Python ints: its own code loops over the items) is a
+    segment of its own, run as written; this names the argument. None: a segment served by one graph."""
 
     @property
     def stop(self) -> int:
-        return self.first + len(self.calls)
+        return self.first + max(len(self.calls), 1)
 
 
 @dataclass(frozen=True)
@@ -94,9 +102,11 @@ class BlockProgram:
         return next(segment for segment in self.segments if index < segment.stop)
 
     def describe(self) -> str:
-        cuts = "; ".join(f"block {s.stop - 1}'s output read at {s.read_at}" for s in self.segments[:-1])
-        graphs = f"{len(self.segments)} graphs ({cuts})"
-        return f"{self.blocks} blocks of {self.path}, {graphs if len(self.segments) > 1 else 'one graph'}"
+        graphs = sum(segment.host_list is None for segment in self.segments)
+        notes = [f"block {s.stop - 1}'s output read at {s.read_at}" for s in self.segments if s.read_at]
+        notes += [f"block {s.first} run as written: it reads a host list ({s.host_list})"
+                  for s in self.segments if s.host_list is not None]  # fmt: skip
+        return f"{self.blocks} blocks of {self.path}, " + (f"{graphs} graphs ({'; '.join(notes)})" if notes else "one graph")
 
 
 _SHAPE_READS = {
@@ -127,6 +137,7 @@ class _Event:
     args: tuple
     kwargs: dict
     output: Any = None
+    reads_host_list: bool = False
 
 
 class _Recorder(TorchFunctionMode):
@@ -142,6 +153,8 @@ class _Recorder(TorchFunctionMode):
         """The outputs themselves, so their ids stay theirs while the tower runs."""
         self.glue_reads: dict[tuple[str, int], str] = {}
         """(list, call number) -> where the glue first read that call's output."""
+        self.list_reads: set[tuple[str, int]] = set()
+        """(list, call number) of the calls that read a host list they took."""
         self.handles = []
         for path, modules in lists.items():
             for index, module in enumerate(modules):
@@ -151,7 +164,11 @@ class _Recorder(TorchFunctionMode):
     def _before(self, path: str, index: int):
         def hook(module, args, kwargs):
             self.depth += 1
+            key = (path, len(self.events[path]))
+            args = tuple(_WatchedList(v, self.list_reads, key) if _is_host_list(v) else v for v in args)
+            kwargs = {k: _WatchedList(v, self.list_reads, key) if _is_host_list(v) else v for k, v in kwargs.items()}
             self.events[path].append(_Event(index, args, dict(kwargs)))
+            return args, kwargs
 
         return hook
 
@@ -194,8 +211,8 @@ def _in_sequence(events: list[_Event], size: int) -> bool:
 def _threaded_leaf(runs: list[list[_Event]]) -> tuple[int, int]:
     """(the argument leaf that takes the previous block's output, the output leaf it is), the same for every block
     of every run; runs of one block each: the first tensor argument and first tensor output."""
-    def tensor_positions(tree) -> list[int]:
-        return [i for i, leaf in enumerate(pytree.tree_leaves(tree)) if isinstance(leaf, torch.Tensor)]
+    def tensor_positions(leaves: list) -> list[int]:
+        return [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     found = set()
     for events in runs:
@@ -203,7 +220,7 @@ def _threaded_leaf(runs: list[list[_Event]]) -> tuple[int, int]:
             outputs = {id(leaf): position for position, leaf in enumerate(pytree.tree_leaves(before.output))}
             pairs = [
                 (position, outputs[id(leaf)])
-                for position, leaf in enumerate(pytree.tree_leaves((event.args, event.kwargs)))
+                for position, leaf in enumerate(flatten_arguments(event.args, event.kwargs)[0])
                 if isinstance(leaf, torch.Tensor) and id(leaf) in outputs
             ]
             if len(pairs) != 1:
@@ -214,26 +231,66 @@ def _threaded_leaf(runs: list[list[_Event]]) -> tuple[int, int]:
     if found:
         return found.pop()
     event = runs[0][0]
-    inputs, outputs = tensor_positions((event.args, event.kwargs)), tensor_positions(event.output)
+    inputs = tensor_positions(flatten_arguments(event.args, event.kwargs)[0])
+    outputs = tensor_positions(pytree.tree_leaves(event.output))
     if not inputs or not outputs:
         raise BlocksRefused("its block takes or returns no tensor")
     return inputs[0], outputs[0]
+
+
+def _is_host_list(value: Any) -> bool:
+    """A list or tuple of ints (nested), as ``grid_thw.tolist()`` gives: one leaf of a block call's arguments."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    leaves = pytree.tree_leaves(list(value))
+    return bool(leaves) and all(type(leaf) is int for leaf in leaves)
+
+
+def flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
+    """A block call's ``(args, kwargs)`` flattened, each host list one leaf (its length changes with the items)."""
+    return pytree.tree_flatten((args, kwargs), is_leaf=_is_host_list)
+
+
+class _WatchedList(list):
+    """A host list handed to a block while it is recorded: notes whether the block reads it."""
+
+    def __init__(self, values, reads: set, key) -> None:
+        super().__init__(values)
+        self._reads, self._key = reads, key
+
+    def _read(self) -> None:
+        self._reads.add(self._key)
+
+    def __iter__(self):
+        self._read()
+        return super().__iter__()
+
+    def __getitem__(self, index):
+        self._read()
+        return super().__getitem__(index)
+
+    def __len__(self):
+        self._read()
+        return super().__len__()
 
 
 def _host_list(tree) -> str | None:
     """The keyword (or argument position) of a list or tuple of ints among a call's arguments, if any."""
     args, kwargs = tree
     for name, value in [*enumerate(args), *kwargs.items()]:
-        leaves = pytree.tree_leaves(value)
-        if isinstance(value, (list, tuple)) and leaves and all(type(leaf) is int for leaf in leaves):
+        if _is_host_list(value):
             return str(name)
     return None
 
 
 def _runs(events: list[_Event], path: str, glue_reads: dict) -> list[list[_Event]]:
-    """The calls cut after every block whose output the glue reads (the last block's aside)."""
-    cuts = sorted(number + 1 for (list_path, number) in glue_reads if list_path == path and number < len(events) - 1)
-    bounds = [0, *cuts, len(events)]
+    """The calls cut after every block whose output the glue reads (the last block's aside), and around every
+    block that reads a host list it takes."""
+    cuts = {number + 1 for (list_path, number) in glue_reads if list_path == path and number < len(events) - 1}
+    for event in events:
+        if event.reads_host_list:
+            cuts |= {event.index, event.index + 1}
+    bounds = sorted({0, *cuts, len(events)})
     return [events[start:stop] for start, stop in zip(bounds, bounds[1:])]
 
 
@@ -243,15 +300,11 @@ def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, g
     inputs: dict[tuple[str, Any], int] = {}
     """("tensor", id) or ("int", value) -> the input's position, in first-use order."""
     calls = []
+    if events[0].reads_host_list:  # a block of its own (``_runs``), run as written
+        host_list = _host_list((events[0].args, events[0].kwargs))
+        return Segment(events[0].index, (), 0, glue_reads.get((path, events[0].index)), host_list)
     for event in events:
-        tree = (event.args, event.kwargs)
-        host_list = _host_list(tree)
-        if host_list is not None:
-            raise BlocksRefused(
-                f"block {event.index} of {path} takes a host list ({host_list}): its own code loops over the "
-                "grid, so its shapes change with the items"
-            )
-        leaves, spec = pytree.tree_flatten(tree)
+        leaves, spec = flatten_arguments(event.args, event.kwargs)
         sources = []
         for position, leaf in enumerate(leaves):
             if position == in_position:
@@ -263,6 +316,8 @@ def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, g
                 sources.append(Leaf("input", inputs.setdefault(("tensor", id(leaf)), len(inputs))))
             elif type(leaf) is int:
                 sources.append(Leaf("input", inputs.setdefault(("int", leaf), len(inputs))))
+            elif _is_host_list(leaf):
+                sources.append(Leaf("unread", value=list(leaf)))
             else:
                 sources.append(Leaf("constant", value=leaf))
         calls.append(BlockCall(spec, tuple(sources)))
@@ -272,13 +327,18 @@ def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, g
 def _program(path: str, events: list[_Event], glue_reads: dict, outputs: dict) -> BlockProgram:
     """The program of the block stack ``path``, or ``BlocksRefused`` naming what breaks its invariant."""
     runs = _runs(events, path, glue_reads)
-    in_position, out_position = _threaded_leaf(runs)
+    in_position, out_position = _threaded_leaf([run for run in runs if not run[0].reads_host_list] or runs)
     output_spec = pytree.tree_flatten(events[-1].output)[1]
     extra = [leaf for i, leaf in enumerate(pytree.tree_leaves(events[-1].output)) if i != out_position and leaf is not None]
     if extra:
         raise BlocksRefused(f"its blocks return more than the hidden states ({type(extra[0]).__name__})")
     segments = tuple(_segment(path, run, in_position, outputs, glue_reads) for run in runs[:-1])
     segments += (_segment(path, runs[-1], in_position, outputs, {}),)
+    if all(segment.host_list is not None for segment in segments):
+        raise BlocksRefused(
+            f"every block of {path} reads a host list ({segments[0].host_list}): its own code loops over the grid, "
+            "so its shapes change with the items"
+        )
     return BlockProgram(path, segments, output_spec, out_position)
 
 
@@ -307,7 +367,7 @@ def _inputs_of(segment: Segment, events: list[_Event]) -> tuple[torch.Tensor, tu
     inputs: list[Any] = [None] * segment.inputs
     hidden = None
     for call, event in zip(segment.calls, events[segment.first : segment.stop]):
-        for source, leaf in zip(call.leaves, pytree.tree_leaves((event.args, event.kwargs))):
+        for source, leaf in zip(call.leaves, flatten_arguments(event.args, event.kwargs)[0]):
             if source.source == "input":
                 inputs[source.index] = leaf
             elif source.source == "threaded" and hidden is None:
@@ -326,5 +386,7 @@ def record_block_program(tower: torch.nn.Module, args: tuple, kwargs: dict) -> R
         raise BlocksRefused("no module list of its blocks was called in sequence, each block once")
     path = max(candidates, key=lambda name: sum(p.numel() for p in lists[name].parameters()))
     events = recorder.events[path]
+    for number, event in enumerate(events):
+        event.reads_host_list = (path, number) in recorder.list_reads
     program = _program(path, events, recorder.glue_reads, recorder.outputs)
     return Recorded(program, output, tuple(_inputs_of(segment, events) for segment in program.segments))
