@@ -36,10 +36,13 @@ MERGER_BETWEEN_BLOCKS = {name: dict(num_hidden_layers=3, insert_layer_id=1) for 
 towers: the glue reads block 1's output, so the program is two graphs."""
 FIELDS = {
     **MERGER_BETWEEN_BLOCKS,
-    "lfm3_vl": dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "full_attention", "conv"]),
+    "lfm3_vl": dict(
+        num_hidden_layers=4, layer_types=["conv", "full_attention", "full_attention", "conv"], num_key_value_heads=1
+    ),
 }
 """Tower fields for the served test; LFM3-VL's blocks as in its released tower: convolution blocks, which loop over
-the grid and run as written, around attention blocks, served by one graph."""
+the grid and run as written, around attention blocks, served by one graph, whose keys and values have fewer heads
+than the queries (grouped-query attention)."""
 GRAPHS = {"lfm3_vl": 1, **{name: 2 for name in MERGER_BETWEEN_BLOCKS}}
 """Graphs (replays per call) of the served towers; one where not listed."""
 IMAGES_ONLY = {"hunyuan_vl", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}

@@ -35,7 +35,8 @@ def vgraph_flash_attention(
     max_length_q: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``[1, heads, tokens, head_dim]`` in, ``[1, tokens, heads, head_dim]`` out."""
+    """transformers attention function: ``[1, heads, tokens, head_dim]`` in (keys and values may have fewer heads,
+    each serving a group of queries), ``[1, tokens, heads, head_dim]`` out."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(
             f"{type(module).__name__} called the vgraph attention without cu_seqlens/max_seqlen: it serves "
@@ -43,6 +44,9 @@ def vgraph_flash_attention(
         )
     if dropout:
         raise ValueError("vgraph attention is inference-only: put the tower in eval() mode (dropout must be 0)")
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
+        groups = query.shape[1] // key.shape[1]
+        key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
     return varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling).unsqueeze(0), None
 

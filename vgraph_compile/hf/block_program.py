@@ -104,8 +104,9 @@ class BlockProgram:
     def describe(self) -> str:
         graphs = sum(segment.host_list is None for segment in self.segments)
         notes = [f"block {s.stop - 1}'s output read at {s.read_at}" for s in self.segments if s.read_at]
-        notes += [f"block {s.first} run as written: it reads a host list ({s.host_list})"
-                  for s in self.segments if s.host_list is not None]  # fmt: skip
+        eager = [s for s in self.segments if s.host_list is not None]
+        if eager:
+            notes.append(f"blocks {[s.first for s in eager]} run as written: they read a host list ({eager[0].host_list})")
         return f"{self.blocks} blocks of {self.path}, " + (f"{graphs} graphs ({'; '.join(notes)})" if notes else "one graph")
 
 
