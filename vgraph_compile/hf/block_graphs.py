@@ -103,6 +103,8 @@ class _StackCall:
     next_block: int = 0
     hidden: torch.Tensor | None = None
     inputs: list[Any] = field(default_factory=list)
+    host_memo: dict = field(default_factory=dict)
+    """The host values computed in this call, by function, key and the ids of their tensors."""
 
     def take(self, index: int, args: tuple, kwargs: dict) -> Segment:
         """Read block ``index``'s arguments into the open segment's inputs and return the segment; ``_OffProgram``
@@ -285,12 +287,32 @@ class CompiledBlockTower(TowerStandIn):
             f"({self.tier_reason}), and {reason}"
         )
 
+    def _with_host_values(self, call: _StackCall, index: int, args: tuple, kwargs: dict) -> dict:
+        """The block's keywords with the host values its program computes for it (``HostValue``), each computed once
+        per call and inputs."""
+        if index >= self.program.blocks:
+            return kwargs
+        segment = self.program.segment_of(index)
+        host_values = segment.calls[index - segment.first].host_values if segment.host_list is None else ()
+        if not host_values:
+            return kwargs
+        leaves = flatten_arguments(args, kwargs)[0]
+        kwargs = dict(kwargs)
+        with routed_attention(self.tower):  # as recorded: the function reads the attention the config selects
+            for value in host_values:
+                key = (value.function, value.key, *(id(leaves[value.arguments[name]]) for name in value.tensor_leaves))
+                if key not in call.host_memo:
+                    call.host_memo[key] = value.compute(leaves)
+                kwargs[value.key] = call.host_memo[key]
+        return kwargs
+
     def _block(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A proxy's call: the threaded hidden states for every block but a segment's last, whose call replays the
         segment's graph."""
         call: _StackCall | None = getattr(self._local, "call", None)
         if call is None:
             raise _OffProgram("a block was called outside the tower's forward")
+        kwargs = self._with_host_values(call, index, args, kwargs)
         segment = call.take(index, args, kwargs)
         if segment.host_list is not None:
             return self.tower.get_submodule(self.program.path)[index](*args, **kwargs)

@@ -11,6 +11,11 @@ the first taking the previous one's output. Each leaf of a block call's argument
   embeddings; one input per tensor, however many blocks take it), or an int (``max_seqlen``; one input per value);
 - a ``constant``: anything else (None, a flag, a float), the same on every call.
 
+A block whose own code computes a value on the host from its arguments through a transformers ``get_*`` function
+that takes it precomputed (``get_max_seqlen``'s ``.item()`` in an attention that gets no ``max_seqlen``) is given that
+value as a keyword: the program computes it on the host before the graph runs (``HostValue``), so the graph holds
+no host read.
+
 The calls are cut into segments after each block whose output the glue reads (a merger between blocks): each
 segment is one graph, taking the hidden states the glue gives its first block.
 
@@ -24,13 +29,17 @@ Otherwise ``BlocksRefused`` names what broke.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import traceback
-from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+
+from vgraph_compile.hf.metadata_plan import metadata_functions
 
 __all__ = [
     "BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "Segment", "flatten_arguments", "record_block_program"
@@ -54,11 +63,36 @@ class Leaf:
 
 
 @dataclass(frozen=True)
+class HostValue:
+    """A value a block computes on the host from its own arguments, through a transformers function that takes it
+    precomputed from a ``kwargs`` dict under ``key`` (``get_max_seqlen``: ``max_seqlen`` from ``cu_seqlens`` with
+    ``.item()``, in an attention the glue passes no ``max_seqlen``). The program computes it before the graph runs
+    and passes it to the block as the keyword ``key``, which the block hands on to that function."""
+
+    key: str
+    function: Callable
+    arguments: dict[str, Any]
+    """The function's arguments: for a name in ``tensor_leaves``, the position of that tensor among the block
+    call's flattened arguments; otherwise the constant the recorded call passed."""
+    tensor_leaves: tuple[str, ...]
+    """The arguments that are tensors the block takes."""
+
+    def compute(self, leaves: list) -> Any:
+        """The value for a call whose flattened arguments are ``leaves`` (attention routed, as when recorded)."""
+        arguments = {
+            name: leaves[value] if name in self.tensor_leaves else value for name, value in self.arguments.items()
+        }
+        return self.function(**arguments, kwargs={})
+
+
+@dataclass(frozen=True)
 class BlockCall:
-    """One block's call: the structure of its ``(args, kwargs)`` and the source of each leaf."""
+    """One block's call: the structure of its ``(args, kwargs)`` (the host values' keywords included) and the
+    source of each leaf."""
 
     spec: pytree.TreeSpec
     leaves: tuple[Leaf, ...]
+    host_values: tuple[HostValue, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,6 +173,9 @@ class _Event:
     kwargs: dict
     output: Any = None
     reads_host_list: bool = False
+    host_calls: list = field(default_factory=list)
+    """(function, its arguments, the key it computed, the value) of each host value computed inside the block."""
+    host_values: tuple[HostValue, ...] = ()
 
 
 class _Recorder(TorchFunctionMode):
@@ -156,6 +193,8 @@ class _Recorder(TorchFunctionMode):
         """(list, call number) -> where the glue first read that call's output."""
         self.list_reads: set[tuple[str, int]] = set()
         """(list, call number) of the calls that read a host list they took."""
+        self.active: list[_Event] = []
+        """The entries' calls running now, innermost last."""
         self.handles = []
         for path, modules in lists.items():
             for index, module in enumerate(modules):
@@ -169,6 +208,7 @@ class _Recorder(TorchFunctionMode):
             args = tuple(_WatchedList(v, self.list_reads, key) if _is_host_list(v) else v for v in args)
             kwargs = {k: _WatchedList(v, self.list_reads, key) if _is_host_list(v) else v for k, v in kwargs.items()}
             self.events[path].append(_Event(index, args, dict(kwargs)))
+            self.active.append(self.events[path][-1])
             return args, kwargs
 
         return hook
@@ -176,6 +216,7 @@ class _Recorder(TorchFunctionMode):
     def _after(self, path: str):
         def hook(module, args, output):
             self.depth -= 1
+            self.active.pop()
             event = self.events[path][-1]
             event.output = output
             self.kept.append(output)
@@ -194,9 +235,77 @@ class _Recorder(TorchFunctionMode):
                     self.glue_reads[key] = _place()
         return func(*args, **kwargs)
 
+    def wrap(self, function: Callable) -> Callable:
+        """``function`` (it takes precomputed values from a ``kwargs`` dict) noting, inside an entry's call, each
+        value it computes on the host because the dict had none."""
+        signature = inspect.signature(function)
+
+        def recorded(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments.get("kwargs")
+            pops = _Pops(given or {})
+            bound.arguments["kwargs"] = pops
+            result = function(*bound.args, **bound.kwargs)
+            computed = [key for key, present in pops.popped if not present]
+            if self.active and given is not None and len(computed) == 1 and type(result) is int:
+                arguments = {name: value for name, value in bound.arguments.items() if name != "kwargs"}
+                self.active[-1].host_calls.append((function, arguments, computed[0], result))
+            return result
+
+        recorded.__wrapped__ = function
+        return recorded
+
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class _Pops(dict):
+    """The ``kwargs`` dict a wrapped function sees: notes each key it pops, and whether a value (not None) was
+    there."""
+
+    def __init__(self, given: dict) -> None:
+        super().__init__(given)
+        self.popped: list[tuple[str, bool]] = []
+
+    def pop(self, key, *default):
+        self.popped.append((key, self.get(key) is not None))
+        return super().pop(key, *default)
+
+
+@contextlib.contextmanager
+def _wrapped(tower: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
+    """The tower's modeling modules' ``get_*`` functions wrapped by the recorder while it records."""
+    modules = {sys.modules[type(module).__module__] for module in tower.modules()}
+    patched = [(module, name, function) for module in modules for name, function in metadata_functions(module).items()]
+    try:
+        for module, name, function in patched:
+            setattr(module, name, recorder.wrap(function))
+        yield
+    finally:
+        for module, name, function in patched:
+            setattr(module, name, function)
+
+
+def _host_values(path: str, event: _Event) -> tuple[HostValue, ...]:
+    """The event's host calls as ``HostValue``s over its arguments' leaves; each value is added to the event's
+    keywords, as the program passes it; ``BlocksRefused`` when one reads a tensor the block does not take."""
+    if not event.host_calls:
+        return ()
+    leaves = flatten_arguments(event.args, event.kwargs)[0]
+    positions = {id(leaf): position for position, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    values = []
+    for function, arguments, key, result in event.host_calls:
+        tensors = {name for name, value in arguments.items() if isinstance(value, torch.Tensor)}
+        if any(id(arguments[name]) not in positions for name in tensors):
+            raise BlocksRefused(
+                f"block {event.index} of {path} computes {key} on the host ({function.__name__}) from a tensor "
+                "it does not take"
+            )
+        resolved = {name: positions[id(value)] if name in tensors else value for name, value in arguments.items()}
+        values.append(HostValue(key, function, resolved, tuple(sorted(tensors))))
+        event.kwargs[key] = result
+    return tuple(values)
 
 
 def _module_lists(tower: torch.nn.Module) -> dict[str, torch.nn.ModuleList]:
@@ -321,7 +430,7 @@ def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, g
                 sources.append(Leaf("unread", value=list(leaf)))
             else:
                 sources.append(Leaf("constant", value=leaf))
-        calls.append(BlockCall(spec, tuple(sources)))
+        calls.append(BlockCall(spec, tuple(sources), event.host_values))
     return Segment(events[0].index, tuple(calls), len(inputs), glue_reads.get((path, events[-1].index)))
 
 
@@ -380,7 +489,7 @@ def record_block_program(tower: torch.nn.Module, args: tuple, kwargs: dict) -> R
     """The tower's block program, learned from the call ``tower(*args, **kwargs)`` (see the module docstring);
     ``BlocksRefused`` naming the reason when no module list of the tower is a block stack a program can hold."""
     lists = _module_lists(tower)
-    with _recording(tower) as recorder:
+    with _recording(tower) as recorder, _wrapped(tower, recorder):
         output = tower(*args, **kwargs)
     candidates = [path for path, events in recorder.events.items() if _in_sequence(events, len(lists[path]))]
     if not candidates:
@@ -389,5 +498,6 @@ def record_block_program(tower: torch.nn.Module, args: tuple, kwargs: dict) -> R
     events = recorder.events[path]
     for number, event in enumerate(events):
         event.reads_host_list = (path, number) in recorder.list_reads
+        event.host_values = _host_values(path, event)
     program = _program(path, events, recorder.glue_reads, recorder.outputs)
     return Recorded(program, output, tuple(_inputs_of(segment, events) for segment in program.segments))

@@ -198,7 +198,8 @@ def tower_call(name: str, tower: torch.nn.Module, grid) -> tuple[tuple, dict]:
         merge = config.spatial_merge_size
         tokens = grid_thw // torch.tensor([1, merge, merge])
         return (_pixels(parameter, patches // merge**2, patch * merge, patch * merge, channels), tokens), {}
-    width = channels * (getattr(config, "temporal_patch_size", 1) or 1) * patch**2
+    temporal = next((getattr(config, name) for name in ("temporal_patch_size", "patch_temporal") if getattr(config, name, None)), 1)
+    width = channels * temporal * patch**2
     args = (_pixels(parameter, patches, width), grid_thw)
     return args, ({"merge_sizes": torch.full((len(grid),), 2)} if name == "video_llama_3" else {})
 
