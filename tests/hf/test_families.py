@@ -16,8 +16,6 @@ from vgraph_compile.models.hf_families import build_tower, vision_utils_families
 from tests.hf import test_block_graphs
 
 REFUSED = {
-    "muse_glimmer": r"produces a data-dependent value",
-    "muse_spark": r"produces a data-dependent value",
     "step3p7": r"produces a data-dependent value",
 }
 """Families refused today (README table), each with the reason its ValueError must name. The families the

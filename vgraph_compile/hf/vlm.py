@@ -40,8 +40,8 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
     """Serve ``tower`` from vgraph's bucket graphs, by the first tier that can:
 
     1. the whole-tower graph: ``compile_packed_tower`` when its forward takes a grid of packed variable-size images
-       and everything it reads from the grid is grid metadata, ``compile_tile_tower`` when it takes a batch of
-       same-size tiles;
+       and everything it reads from the grid is grid metadata (when its first call's trace is refused all the same,
+       block graphs take over from that call on), ``compile_tile_tower`` when it takes a batch of same-size tiles;
     2. block graphs (``compile_block_tower``): the block stack from graphs and the glue as written, for any other
        transformers tower (its forward reads the grid on the host, takes other arguments...). A tower whose blocks
        cannot be one graph either is refused at its first call with a ValueError naming the reason; a module with
@@ -55,8 +55,12 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
         tower = tower.tower
     name = type(tower).__name__
     if is_packed_tower(tower):
+        def blocks(reason: str) -> CompiledBlockTower:
+            log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
+            return compile_block_tower(tower, reason, **_block_options(options))
+
         try:
-            served = compile_packed_tower(tower, **options)
+            served = compile_packed_tower(tower, trace_refused=blocks, **options)
         except TowerRefused as refusal:
             reason = str(refusal).split(": ", 1)[-1]
         else:
@@ -80,8 +84,11 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
             "block graphs serve one process. Pass process_group=None"
         )
     log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
-    block_options = {key: value for key, value in options.items() if key not in (*_BLOCK_OPTIONS_UNUSED, "process_group")}
-    return compile_block_tower(tower, reason, **block_options)
+    return compile_block_tower(tower, reason, **_block_options(options))
+
+
+def _block_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in options.items() if key not in (*_BLOCK_OPTIONS_UNUSED, "process_group")}
 
 
 def _is_tower(module: torch.nn.Module, vision_config: Any) -> bool:

@@ -17,7 +17,7 @@ import contextlib
 import inspect
 import logging
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -83,9 +83,13 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         process_group: Any = None,
         parallel: Parallel = "data",
         sequence_cost: float = sequence_parallel.DEFAULT_SEQUENCE_COST,
+        trace_refused: Callable[[str], torch.nn.Module] | None = None,
     ) -> None:
         super().__init__(tower)
         self.interface = interface
+        self.trace_refused = trace_refused
+        """What serves the tower when its whole forward cannot be traced as one graph (called with the reason):
+        the block graphs, from ``compile_vision_tower``; None: the refusal is raised."""
         """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
         self.signature = inspect.signature(tower.forward)
         """The tower's forward signature: calls bind to it, by position or by the tower's own names."""
@@ -128,6 +132,8 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.__dict__["sequence_graphs"] = None
         """The sequence-parallel trace (``_SequenceGraphs``), made at the first sequence-parallel call."""
+        self.__dict__["replacement"] = None
+        """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.grid_metadata.clear()
 
     @property
@@ -138,6 +144,8 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
     def stats_table(self) -> str:
         """The tier, and each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
         imbalance; with calls over a process group, the calls per mode."""
+        if self.replacement is not None:
+            return self.replacement.stats_table()
         tables = ["tier: whole-tower graph", *(runtime.stats_table() for runtime in self.runtimes)]
         if self.sequence_graphs is not None:
             tables.append("sequence parallel:")
@@ -219,8 +227,14 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         parameter = self.parameter
         shape = (wide * side * side, *self.interface.pixel_shape)
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
-            self._run(pixel_values, grid)
+        try:
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
+                self._run(pixel_values, grid)
+        except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
+            if self.trace_refused is None or self.process_group is not None:
+                raise
+            self.__dict__["replacement"] = self.trace_refused(str(refusal))
+            raise _TraceRefused from refusal
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
         """The compiled tower on one batch, keyed by its grid: the metadata is the grid's, from the cache."""
@@ -246,8 +260,18 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
 
     def forward(self, *args: Any, **kwargs: Any):
         """The tower's own arguments, by position or by its names (the processor's pixel rows as
-        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...). A call of the pixels and the grid
-        alone (by position, or the grid by its name) is bound without ``inspect``."""
+        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...); once the trace was refused, the
+        ``trace_refused`` module serves every call."""
+        if self.replacement is None:
+            try:
+                return self._forward(*args, **kwargs)
+            except _TraceRefused:
+                pass
+        return self.replacement(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any):
+        """A call of the pixels and the grid alone (by position, or the grid by its name) is bound without
+        ``inspect``."""
         grid_name = self.interface.grid_argument
         if not self.training and not torch.is_grad_enabled():
             if len(args) == 2 and not kwargs and self.grid_second:
@@ -330,6 +354,10 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         return self.make_output(fields)
 
 
+class _TraceRefused(Exception):
+    """The warm-up trace was refused and ``replacement`` now serves the tower."""
+
+
 def is_packed_tower(tower: torch.nn.Module) -> bool:
     """Whether ``tower`` takes packed patch rows with a grid (``grid_thw``, ``image_grid_thw``...) and a config."""
     return isinstance(tower, torch.nn.Module) and hasattr(tower, "config") and grid_argument(tower) is not None
@@ -343,6 +371,7 @@ def compile_packed_tower(
     process_group: Any = None,
     parallel: Parallel = "data",
     sequence_cost: float = sequence_parallel.DEFAULT_SEQUENCE_COST,
+    trace_refused: Callable[[str], torch.nn.Module] | None = None,
     **options: Any,
 ) -> CompiledVisionTower:
     """Compile a packed tower (``model.visual``: its forward takes a grid) with the vgraph backend, bounded by the
@@ -360,6 +389,10 @@ def compile_packed_tower(
     each encodes a slice of the packed rows, its full attention spanning the ranks
     (``vgraph_compile.hf.sequence_parallel``); ``"auto"``, per call, sequence when its slice at ``sequence_cost``
     per row is smaller than the most loaded data-parallel rank's share. None: this process alone.
+
+    ``trace_refused``: called with the reason when the first call's warm-up trace is refused (the whole forward is
+    not one graph); the module it returns serves that call and every later one (``compile_vision_tower`` passes
+    the block graphs).
     """
     if isinstance(tower, CompiledVisionTower):
         tower = tower.tower
@@ -381,5 +414,11 @@ def compile_packed_tower(
         **options,
     )
     return CompiledVisionTower(
-        tower, interface, config, process_group=process_group, parallel=parallel, sequence_cost=sequence_cost
+        tower,
+        interface,
+        config,
+        process_group=process_group,
+        parallel=parallel,
+        sequence_cost=sequence_cost,
+        trace_refused=trace_refused,
     )
