@@ -14,6 +14,8 @@ from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
 from vgraph_compile.models.hf_families import build_tower, tower_call
 
+MAX_SEQLEN_ITEM = r"item.* at transformers/utils/generic.py:\d+ \(return \(cu_seqlens.* produces a data-dependent value"
+"""The whole-tower trace's refusal of muse: its attention reads max_seqlen with .item() (get_max_seqlen)."""
 SERVED = {
     "cosmos3_edge": r"reads a grid-derived tensor on the host \(tolist\)",
     "hunyuan_vl": r"reads a grid-derived tensor on the host \(tolist\)",
@@ -25,8 +27,8 @@ SERVED = {
     "minicpmv4_7": r"its forward takes neither a grid",
     "lfm3_vl": r"reads a grid-derived tensor on the host \(tolist\)",
     "inkling2": r"no pixel row layout derived from its config fits its patch embedding",
-    "muse_glimmer": r"item.* at transformers/utils/generic.py:\d+ \(return \(cu_seqlens.* produces a data-dependent value",
-    "muse_spark": r"item.* at transformers/utils/generic.py:\d+ \(return \(cu_seqlens.* produces a data-dependent value",
+    "muse_glimmer": MAX_SEQLEN_ITEM,
+    "muse_spark": MAX_SEQLEN_ITEM,
 }
 """Families the whole-tower graph refuses, served by block graphs, with the reason the tier names (muse's at its
 first call's trace: its attention reads max_seqlen with .item(), which the block program computes on the host)."""

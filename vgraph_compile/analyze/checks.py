@@ -28,7 +28,8 @@ def check_no_host_sync(gm: torch.fx.GraphModule) -> None:
         unbacked = free_unbacked_symbols(value) if value is not None else set()
         if unbacked:
             raise ValueError(
-                f"node {node.format_node()}{_source_line(node)} produces a data-dependent value {sorted(map(str, unbacked))} "
+                f"node {node.format_node()}{_source_line(node)} produces a data-dependent value "
+                f"{sorted(map(str, unbacked))} "
                 "(e.g. .item(), .tolist(), nonzero): a CUDA graph cannot read device data on the host. "
                 "Compute it on the host and pass it to the encoder as an input (Python int or tensor)."
             )

@@ -249,8 +249,8 @@ class CompiledBlockTower(TowerStandIn):
                 raise self._refusal(str(refusal)) from None
             except Exception as error:
                 raise self._refusal(
-                    f"the stock tower fails with its attention routed through vgraph's varlen op ({_first_line(error)}):"
-                    " its blocks do not attend over packed rows with cu_seqlens"
+                    "the stock tower fails with its attention routed through vgraph's varlen op "
+                    f"({_first_line(error)}): its blocks do not attend over packed rows with cu_seqlens"
                 ) from error
             compiled = self._compile(recorded)
         program = recorded.program
@@ -278,7 +278,8 @@ class CompiledBlockTower(TowerStandIn):
             try:
                 compiled[-1](*(value[0] if squeeze else value for value, squeeze in zip(values, squeezed)))
             except Exception as error:
-                raise self._refusal(f"its blocks ({program.describe()}) are not one graph either: {_first_line(error)}") from error
+                reason = f"its blocks ({program.describe()}) are not one graph either: {_first_line(error)}"
+                raise self._refusal(reason) from error
         return compiled
 
     def _refusal(self, reason: str) -> BlocksRefused:

@@ -42,7 +42,15 @@ from torch.utils import _pytree as pytree
 from vgraph_compile.hf.metadata_plan import metadata_functions
 
 __all__ = [
-    "BlockCall", "BlockProgram", "BlocksRefused", "Leaf", "Recorded", "Segment", "flatten_arguments", "record_block_program"
+    "BlockCall",
+    "BlockProgram",
+    "BlocksRefused",
+    "HostValue",
+    "Leaf",
+    "Recorded",
+    "Segment",
+    "flatten_arguments",
+    "record_block_program",
 ]
 
 
@@ -140,8 +148,10 @@ class BlockProgram:
         notes = [f"block {s.stop - 1}'s output read at {s.read_at}" for s in self.segments if s.read_at]
         eager = [s for s in self.segments if s.host_list is not None]
         if eager:
-            notes.append(f"blocks {[s.first for s in eager]} run as written: they read a host list ({eager[0].host_list})")
-        return f"{self.blocks} blocks of {self.path}, " + (f"{graphs} graphs ({'; '.join(notes)})" if notes else "one graph")
+            blocks = [segment.first for segment in eager]
+            notes.append(f"blocks {blocks} run as written: they read a host list ({eager[0].host_list})")
+        graphs = f"{graphs} graphs ({'; '.join(notes)})" if notes else "one graph"
+        return f"{self.blocks} blocks of {self.path}, {graphs}"
 
 
 _SHAPE_READS = {
@@ -310,7 +320,9 @@ def _host_values(path: str, event: _Event) -> tuple[HostValue, ...]:
 
 def _module_lists(tower: torch.nn.Module) -> dict[str, torch.nn.ModuleList]:
     return {
-        path: module for path, module in tower.named_modules() if isinstance(module, torch.nn.ModuleList) and len(module)
+        path: module
+        for path, module in tower.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module)
     }
 
 
@@ -439,7 +451,8 @@ def _program(path: str, events: list[_Event], glue_reads: dict, outputs: dict) -
     runs = _runs(events, path, glue_reads)
     in_position, out_position = _threaded_leaf([run for run in runs if not run[0].reads_host_list] or runs)
     output_spec = pytree.tree_flatten(events[-1].output)[1]
-    extra = [leaf for i, leaf in enumerate(pytree.tree_leaves(events[-1].output)) if i != out_position and leaf is not None]
+    leaves = pytree.tree_leaves(events[-1].output)
+    extra = [leaf for position, leaf in enumerate(leaves) if position != out_position and leaf is not None]
     if extra:
         raise BlocksRefused(f"its blocks return more than the hidden states ({type(extra[0]).__name__})")
     segments = tuple(_segment(path, run, in_position, outputs, glue_reads) for run in runs[:-1])

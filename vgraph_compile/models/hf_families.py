@@ -20,7 +20,9 @@ import torch
 
 from vgraph_compile.models.qwen_towers import REAL_SIZES
 
-__all__ = ["tower_call", "Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "TINY_SIZES"]
+__all__ = [
+    "Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "tower_call", "TINY_SIZES"
+]
 
 TINY_SIZES = dict(
     depth=1,
@@ -177,6 +179,8 @@ def build_tower(
     return tower.to(device, dtype).eval()
 
 
+_TEMPORAL_FIELDS = ("temporal_patch_size", "patch_temporal")
+"""Config fields of the temporal patch, as the families spell them."""
 TILED_ROWS = {"minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
 """Families that take their patches as one strip image ``[1, C, P, patches * P]`` with ``target_sizes`` (h, w)."""
 MERGED_GRID = {"inkling2"}
@@ -198,7 +202,7 @@ def tower_call(name: str, tower: torch.nn.Module, grid) -> tuple[tuple, dict]:
         merge = config.spatial_merge_size
         tokens = grid_thw // torch.tensor([1, merge, merge])
         return (_pixels(parameter, patches // merge**2, patch * merge, patch * merge, channels), tokens), {}
-    temporal = next((getattr(config, name) for name in ("temporal_patch_size", "patch_temporal") if getattr(config, name, None)), 1)
+    temporal = next((getattr(config, name) for name in _TEMPORAL_FIELDS if getattr(config, name, None)), 1)
     width = channels * temporal * patch**2
     args = (_pixels(parameter, patches, width), grid_thw)
     return args, ({"merge_sizes": torch.full((len(grid),), 2)} if name == "video_llama_3" else {})
