@@ -150,7 +150,11 @@ class BlockProgram:
         if eager:
             blocks = [segment.first for segment in eager]
             notes.append(f"blocks {blocks} run as written: they read a host list ({eager[0].host_list})")
-        graphs = f"{graphs} graphs ({'; '.join(notes)})" if notes else "one graph"
+        host = {f"{value.key} ({value.function.__name__})" for s in self.segments for call in s.calls
+                for value in call.host_values}  # fmt: skip
+        if host:
+            notes.append(f"computed on the host before the graph: {', '.join(sorted(host))}")
+        graphs = f"{graphs} graph{'s' * (graphs != 1)} ({'; '.join(notes)})" if notes else "one graph"
         return f"{self.blocks} blocks of {self.path}, {graphs}"
 
 
