@@ -63,3 +63,21 @@ def test_precompile_saves_an_artifact_a_later_start_loads(tmp_path, capsys):
     with counters.expect(plans_loaded=1, artifacts_loaded=1, buckets_built=2, replays=1):
         main(argv)
     assert ": already saved (build plan and compiled encoder" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "family, tier",
+    [
+        ("qwen2_vl", "qwen2_vl (Qwen2VisionTransformerPretrainedModel): tier: whole-tower graph"),
+        (
+            "cosmos3_edge",
+            "cosmos3_edge (Cosmos3EdgeVisionModel): tier: block graphs (1 blocks of encoder.layers, one graph); the "
+            "whole forward is not one graph: it reads a grid-derived tensor on the host (tolist) at "
+            "models/cosmos3_edge/modeling_cosmos3_edge.py:385",
+        ),
+    ],
+)
+def test_explain_names_the_tier_of_a_family_and_why(capsys, family, tier):
+    """``--family``: the tier compile_vision_tower picks, and for block graphs the host op with its file and line."""
+    main(["explain", "--family", family, "--tiny"])
+    assert capsys.readouterr().out.startswith(tier)

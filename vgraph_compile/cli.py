@@ -1,13 +1,16 @@
 """``vgraph explain``: the bucket x bound table of a geometry and its sympy derivation; with ``--module``, also
-the input roles the backend discovers in an encoder. ``vgraph precompile``: compile an encoder (``module:factory``)
-or the vision tower of a model directory ahead of time and save the compiled artifact and build plan
-(``compile/artifacts``, ``warm_start``) that a later process, or a container image, starts from with no trace and
-no compile. ``vgraph serve``: transformers' OpenAI-compatible server with vgraph serving every VLM's tower
+the input roles the backend discovers in an encoder; with ``--family``, the tier that serves a transformers
+family's tower (whole-tower graph or block graphs) and why. ``vgraph precompile``: compile an encoder
+(``module:factory``) or the vision tower of a model directory ahead of time and save the compiled artifact and build
+plan (``compile/artifacts``, ``warm_start``) that a later process, or a container image, starts from with no trace
+and no compile. ``vgraph serve``: transformers' OpenAI-compatible server with vgraph serving every VLM's tower
 (``vgraph_compile.hf.server``); options after the model directory that are not vgraph's go to ``transformers serve``.
 
     vgraph explain --patch-size 14 --window-size 112 --budgets 1024 4096 16384 --max-items 8
     vgraph explain ... --module vgraph_compile.sample_models.explain_factories:windowed_vit
-    vgraph precompile vgraph_compile.sample_models.explain_factories:cls_vit --options '{"token_budgets": [64, 128]}' --artifact-dir DIR
+    vgraph explain --family cosmos3_edge [--tiny]     # the tier that serves the tower, and why
+    vgraph precompile vgraph_compile.sample_models.explain_factories:cls_vit --options '{"token_budgets": [64, 128]}' \
+        --artifact-dir DIR
     vgraph precompile MODEL_DIR --artifact-dir DIR --device cuda
     vgraph serve MODEL_DIR --artifact-dir DIR --port 8000 --device cuda --dtype bfloat16
 """
@@ -39,6 +42,10 @@ def bound_table(geometry: VisionGeometry, budgets, max_items: int, max_frames: i
 
 
 def explain(args: argparse.Namespace) -> str:
+    if args.family:
+        return family_tier(args.family, args.tiny)
+    if args.patch_size is None:
+        raise ValueError("explain takes --patch-size (a geometry's bucket table) or --family (a tower's tier)")
     geometry = VisionGeometry(args.patch_size, args.temporal_patch_size, args.spatial_merge_size, args.window_size)
     parts = [
         f"{geometry}, max_items={args.max_items}, max_frames={args.max_frames or args.max_items}",
@@ -49,6 +56,23 @@ def explain(args: argparse.Namespace) -> str:
     if args.module:
         parts += ["discovered input roles:", _module_roles(args.module, geometry, args)]
     return "\n".join(parts)
+
+
+def family_tier(name: str, tiny: bool) -> str:
+    """Which tier serves the family's tower (random weights), and why: the whole-tower graph, or block graphs with
+    the host op that keeps the whole forward from being one graph, and the block program recorded on one call."""
+    import torch
+
+    from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower
+    from vgraph_compile.sample_models.vision_utils_towers import build_tower, tower_call
+
+    tower = build_tower(name, tiny=tiny)
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager")
+    if isinstance(served, CompiledBlockTower):
+        args, kwargs = tower_call(name, tower, [(1, 8, 8)])
+        with torch.no_grad():
+            served(*args, **kwargs)  # records the block program
+    return f"{name} ({type(tower).__name__}): " + served.stats_table().splitlines()[0]
 
 
 def _factory(spec: str):
@@ -157,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vgraph")
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("explain", help="bucket x bound table and derivation for a geometry")
-    command.add_argument("--patch-size", type=int, required=True)
+    command.add_argument("--patch-size", type=int, help="the geometry's patch size (with --family: not needed)")
     command.add_argument("--temporal-patch-size", type=int, default=2)
     command.add_argument("--spatial-merge-size", type=int, default=2)
     command.add_argument("--window-size", type=int, default=None, help="window side in pixels (Qwen2.5-VL: 112)")
@@ -165,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("--max-items", type=int, default=8)
     command.add_argument("--max-frames", type=int, default=None)
     command.add_argument("--module", help="path:attr of a factory returning (encoder, example_args)")
+    command.add_argument("--family", help="a transformers vision_utils family: which tier serves its tower, and why")
+    command.add_argument("--tiny", action="store_true", help="with --family: the shrunk tower (fast, on the CPU)")
     command = commands.add_parser("precompile", help="compile an encoder ahead of time and save the artifact")
     command.add_argument("factory", help="a model directory, or module:factory returning (encoder, example_args)")
     add_vgraph_options(command)

@@ -45,3 +45,14 @@ def test_the_tower_attends_through_vgraph_inside_the_block_only():
     with pytest.raises(RuntimeError, match="in the block"), routed_attention(tower):
         raise RuntimeError("in the block")
     assert tower.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.gpu
+def test_offsets_the_tower_computed_on_the_host_are_read_where_q_is():
+    """A tower handed grid_thw on the host computes its cu_seqlens there: the routed attention still runs on q's
+    device, equal to per-segment attention."""
+    q, k, v = (torch.randn(1, 2, 9, 8, device="cuda") for _ in range(3))
+    cu = cu_seqlens([4, 5])
+    out, _ = vgraph_flash_attention(Tower(), q, k, v, None, 0.5, cu_seq_lens_q=cu, max_length_q=5)
+    packed = [tensor[0].transpose(0, 1).double().cpu() for tensor in (q, k, v)]
+    torch.testing.assert_close(out[0].double().cpu(), segment_reference(*packed, cu, scale=0.5), rtol=1e-4, atol=1e-4)

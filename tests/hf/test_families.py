@@ -13,23 +13,14 @@ from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.tiles import is_tile_tower
 from vgraph_compile.sample_models.vision_utils_towers import build_tower, vision_utils_families
+from tests.hf import test_block_graphs
 
 REFUSED = {
-    "cosmos3_edge": r"reads a grid-derived tensor on the host \(tolist\)",
-    "hunyuan_vl": r"reads a grid-derived tensor on the host \(tolist\)",
-    "hy_v4_vl": r"reads a grid-derived tensor on the host \(__int__\)",
-    "lfm3_vl": r"reads a grid-derived tensor on the host \(tolist\)",
-    "muse_glimmer": r"produces a data-dependent value",
-    "muse_spark": r"produces a data-dependent value",
-    "inkling2": r"no pixel row layout derived from its config fits its patch embedding",
-    "minimax_m3_vl": r"its output last_hidden_state has no fixed number of rows per patch",
-    "video_llama_3": r"its forward takes \['merge_sizes'\] besides the pixel rows and grid_thw",
-    "minicpm_ocr": r"its forward takes neither a grid",
-    "minicpmv4_6": r"its forward takes neither a grid",
-    "minicpmv4_7": r"its forward takes neither a grid",
     "step3p7": r"produces a data-dependent value",
 }
-"""Families refused today (docs/families.md), each with the reason its ValueError must name."""
+"""Families refused today (docs/families.md), each with the reason its ValueError must name. The families the
+whole-tower graph refuses but block graphs serve, or whose blocks are refused too, are tested in
+``test_block_graphs``."""
 IMAGES_ONLY = {"kimi_k25", "glm4v", "glm4v_moe", "glm_image"}
 """Families served on images whose stock tower fails on (or does not scale with) more than one frame (the GLM-4.1V
 towers index the grid per frame: their models pass videos one frame per grid row)."""
@@ -68,7 +59,9 @@ def _refused(name, tower):
     assert counters.snapshot()["replays"] == before
 
 
-@pytest.mark.parametrize("name", sorted(vision_utils_families()))
+@pytest.mark.parametrize(
+    "name", sorted(set(vision_utils_families()) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED))
+)
 def test_served_equal_to_eager_or_refused(name):
     """Two calls on one trace: an image, a video (a frame-per-row image on image-only towers) and a
     one-merge-unit image in one graph call; then five items, more than ``max_items``, split over graph calls."""

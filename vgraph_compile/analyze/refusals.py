@@ -28,10 +28,22 @@ def check_no_host_sync(gm: torch.fx.GraphModule) -> None:
         unbacked = free_unbacked_symbols(value) if value is not None else set()
         if unbacked:
             raise ValueError(
-                f"node {node.format_node()} produces a data-dependent value {sorted(map(str, unbacked))} "
+                f"node {node.format_node()}{_source_line(node)} produces a data-dependent value "
+                f"{sorted(map(str, unbacked))} "
                 "(e.g. .item(), .tolist(), nonzero): a CUDA graph cannot read device data on the host. "
                 "Compute it on the host and pass it to the encoder as an input (Python int or tensor)."
             )
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    """`` at file:line (code)``: the user's line that made ``node`` (the innermost frame dynamo recorded), or ""."""
+    frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+    places = [(place, code) for place, code in zip(frames, frames[1:]) if place.startswith("File ")]
+    if not places:
+        return ""
+    place, code = places[-1]
+    path, _, rest = place[len('File "'):].partition('", line ')
+    return f" at {path.rsplit('/site-packages/', 1)[-1]}:{rest.split(',')[0]} ({code})"
 
 
 def check_token_dtypes(gm: torch.fx.GraphModule, inputs: Inputs, roles: dict[int, InputRole]) -> None:

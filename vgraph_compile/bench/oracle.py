@@ -12,7 +12,7 @@ from vgraph_compile.bench.timing import check_deadline, host_ms_per_call, median
 from vgraph_compile.bench.workload import Workload
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata, grid_of
-from vgraph_compile.hf.vision_tower import TowerCall
+from vgraph_compile.hf.tower_call import TowerCall
 
 __all__ = ["ExactShape", "measure_oracle"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Batch", "pack"]
+__all__ = ["Batch", "pack", "row_starts"]
 
 
 @dataclass(frozen=True)
@@ -41,3 +41,11 @@ def pack(grid: list[tuple[int, int, int]], budget: int, max_items: int, max_fram
     if items:
         batches.append(Batch(tuple(items)))
     return batches
+
+
+def row_starts(grid) -> list[int]:
+    """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
+    starts = [0]
+    for t, h, w in grid:
+        starts.append(starts[-1] + t * h * w)
+    return starts

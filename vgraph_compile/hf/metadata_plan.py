@@ -27,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["MetadataCall", "MetadataPlan", "TowerRefused", "record_metadata"]
+__all__ = ["MetadataCall", "MetadataPlan", "TowerRefused", "metadata_functions", "record_metadata"]
 
 
 class TowerRefused(ValueError):
@@ -220,7 +220,7 @@ class _Recorder(TorchFunctionMode):
         return recorded
 
 
-def _metadata_functions(module) -> dict[str, Callable]:
+def metadata_functions(module) -> dict[str, Callable]:
     """The module's functions that take a precomputed value from a ``kwargs`` dict parameter (not ``**kwargs``)."""
     found = {}
     for name, value in vars(module).items():
@@ -235,7 +235,7 @@ def _metadata_functions(module) -> dict[str, Callable]:
 @contextlib.contextmanager
 def _wrapped(tower: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
     modules = {sys.modules[type(module).__module__] for module in tower.modules()}
-    patched = [(module, name, function) for module in modules for name, function in _metadata_functions(module).items()]
+    patched = [(module, name, function) for module in modules for name, function in metadata_functions(module).items()]
     try:
         for module, name, function in patched:
             setattr(module, name, recorder.wrap(function))

@@ -207,7 +207,7 @@ class CompiledTileTower(TowerStandIn):
         return [runtime for compiled, _ in self.compiled.values() for runtime in compiled.vgraph.runtimes]
 
     def stats_table(self) -> str:
-        return "\n".join(runtime.stats_table() for runtime in self.runtimes)
+        return "\n".join(["tier: whole-tower graph (fixed tiles)", *(runtime.stats_table() for runtime in self.runtimes)])
 
     def _entry(self, key: tuple, pixel_values: torch.Tensor, mask: torch.Tensor | None):
         """The compiled forward and output layout for one argument structure, made on its first call."""

@@ -1,5 +1,5 @@
 """The one way in for Hugging Face towers: ``compile_vision_tower(tower)`` serves a packed tower (its forward takes a
-grid: ``hf/vision_tower``) or a fixed-tile tower (``forward(pixel_values[N, C, H, W])`` of one image size:
+grid: ``hf/whole_tower``) or a fixed-tile tower (``forward(pixel_values[N, C, H, W])`` of one image size:
 ``hf/tiles``), and ``compile_vlm(model)`` finds the vision tower of a whole transformers VLM and serves it in place.
 
 The model's own code is unchanged: ``model(...)``, ``generate(...)``, ``get_image_features`` and
@@ -18,38 +18,81 @@ from typing import Any
 
 import torch
 
+from vgraph_compile.hf.block_graphs import CompiledBlockTower, compile_block_tower
+from vgraph_compile.hf.metadata_plan import TowerRefused
 from vgraph_compile.hf.tiles import CompiledTileTower, compile_tile_tower, is_tile_tower
-from vgraph_compile.hf.vision_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
+from vgraph_compile.hf.whole_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
 
 __all__ = ["compile_vision_tower", "compile_vlm", "find_vision_tower"]
 
 log = logging.getLogger(__name__)
 
 
-CompiledTower = CompiledVisionTower | CompiledTileTower
+CompiledTower = CompiledVisionTower | CompiledTileTower | CompiledBlockTower
+_COMPILED = (CompiledVisionTower, CompiledTileTower, CompiledBlockTower)
+
+_BLOCK_OPTIONS_UNUSED = ("max_items", "max_frames", "parallel", "sequence_cost")
+"""Options of the whole-tower graph that bound or split its graph calls; the block graphs bound one call by
+``token_budgets`` and ``max_segments`` and take the glue's own packing, so they do not read these."""
 
 
 def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTower:
-    """Serve ``tower`` from vgraph's bucket graphs: ``compile_packed_tower`` when its forward takes a grid of packed
-    variable-size images, ``compile_tile_tower`` when it takes a batch of same-size tiles; a ValueError otherwise.
-    ``options`` are those of the path taken (token budgets and ``max_frames`` for packed towers, tile buckets for
-    fixed-tile ones; ``max_items`` and VGraphConfig fields for both)."""
-    if isinstance(tower, (CompiledVisionTower, CompiledTileTower)):
+    """Serve ``tower`` from vgraph's bucket graphs, by the first tier that can:
+
+    1. the whole-tower graph: ``compile_packed_tower`` when its forward takes a grid of packed variable-size images
+       and everything it reads from the grid is grid metadata (when its first call's trace is refused all the same,
+       block graphs take over from that call on), ``compile_tile_tower`` when it takes a batch of same-size tiles;
+    2. block graphs (``compile_block_tower``): the block stack from graphs and the glue as written, for any other
+       transformers tower (its forward reads the grid on the host, takes other arguments...). A tower whose blocks
+       cannot be one graph either is refused at its first call with a ValueError naming the reason; a module with
+       no transformers config, at once.
+
+    The tier and the reason are logged once and shown in ``stats_table()``. ``options`` are those of the tier
+    taken (token budgets and ``max_frames`` for packed towers, tile buckets for fixed-tile ones; ``max_items`` and
+    VGraphConfig fields for both; the block graphs take ``token_budgets`` and VGraphConfig fields).
+    """
+    if isinstance(tower, _COMPILED):
         tower = tower.tower
+    name = type(tower).__name__
     if is_packed_tower(tower):
-        return compile_packed_tower(tower, **options)
-    if is_tile_tower(tower):
+        def blocks(reason: str) -> CompiledBlockTower:
+            log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
+            return compile_block_tower(tower, reason, **_block_options(options))
+
+        try:
+            served = compile_packed_tower(tower, trace_refused=blocks, **options)
+        except TowerRefused as refusal:
+            reason = str(refusal).split(": ", 1)[-1]
+        else:
+            log.info("%s: served by the whole-tower graph", name)
+            return served
+    elif is_tile_tower(tower):
         return compile_tile_tower(tower, **options)
-    raise ValueError(
-        f"{type(tower).__name__} is not a vision tower vgraph can serve: its forward takes neither a grid (grid_thw, "
-        "image_grid_thw...) of packed variable-size images nor pixel_values of one fixed image size. Pass the vision "
-        "tower of a transformers VLM (model.visual, model.vision_tower...), or compile a custom encoder with "
-        "vgraph_compile.encoder"
-    )
+    else:
+        reason = (
+            "its forward takes neither a grid (grid_thw, image_grid_thw...) of packed variable-size images nor "
+            "pixel_values of one fixed image size"
+        )
+        if getattr(tower, "config", None) is None:  # not a transformers tower: no attention to route
+            raise ValueError(
+                f"{name} is not a vision tower vgraph can serve: {reason}. Pass the vision tower of a transformers "
+                "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
+            )
+    if options.get("process_group") is not None:
+        raise ValueError(
+            f"{name} cannot be served over a process_group: the whole forward is not one graph ({reason}), and "
+            "block graphs serve one process. Pass process_group=None"
+        )
+    log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
+    return compile_block_tower(tower, reason, **_block_options(options))
+
+
+def _block_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in options.items() if key not in (*_BLOCK_OPTIONS_UNUSED, "process_group")}
 
 
 def _is_tower(module: torch.nn.Module, vision_config: Any) -> bool:
-    if isinstance(module, (CompiledVisionTower, CompiledTileTower)):
+    if isinstance(module, _COMPILED):
         return True
     config_matches = vision_config is None or getattr(module, "config", None) is vision_config
     return config_matches and (is_packed_tower(module) or is_tile_tower(module))
@@ -86,7 +129,7 @@ def compile_vlm(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     """
     owner, attribute = find_vision_tower(model)
     tower = getattr(owner, attribute)
-    if isinstance(tower, (CompiledVisionTower, CompiledTileTower)):
+    if isinstance(tower, _COMPILED):
         tower = tower.tower
     setattr(owner, attribute, compile_vision_tower(tower, **options))
     log.info("%s: vision tower %s (.%s) served by vgraph", type(model).__name__, type(tower).__name__, attribute)

@@ -20,7 +20,9 @@ import torch
 
 from vgraph_compile.sample_models.qwen_towers import REAL_SIZES
 
-__all__ = ["Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "TINY_SIZES"]
+__all__ = [
+    "Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "tower_call", "TINY_SIZES"
+]
 
 TINY_SIZES = dict(
     depth=1,
@@ -175,3 +177,37 @@ def build_tower(
     config = spec.config_class(**{**sizes, **fields})
     tower = spec.tower_class._from_config(config, attn_implementation=attention)
     return tower.to(device, dtype).eval()
+
+
+_TEMPORAL_FIELDS = ("temporal_patch_size", "patch_temporal")
+"""Config fields of the temporal patch, as the families spell them."""
+TILED_ROWS = {"minicpm_ocr", "minicpmv4_6", "minicpmv4_7"}
+"""Families that take their patches as one strip image ``[1, C, P, patches * P]`` with ``target_sizes`` (h, w)."""
+MERGED_GRID = {"inkling2"}
+"""Families that take one row per merged token, ``[tokens, P*m, P*m, C]``, with the grid counted in tokens."""
+
+
+def tower_call(name: str, tower: torch.nn.Module, grid) -> tuple[tuple, dict]:
+    """(args, kwargs) of the family's stock tower for packed items of ``grid`` (t, h, w in patches; h, w even), in
+    the family's input layout: patch rows ``[patches, C*T*P*P]`` with the grid unless a table above says
+    otherwise (random pixels in the tower's dtype; every tensor on the tower's device, as a model passes them)."""
+    config = tower.config
+    parameter = next(tower.parameters())
+    patch, channels = config.patch_size, getattr(config, "num_channels", 3)
+    grid_thw = torch.tensor(grid, device=parameter.device)
+    patches = int(grid_thw.prod(-1).sum())
+    if name in TILED_ROWS:
+        return (_pixels(parameter, 1, channels, patch, patches * patch), grid_thw[:, 1:].int()), {}
+    if name in MERGED_GRID:
+        merge = config.spatial_merge_size
+        tokens = grid_thw // torch.tensor([1, merge, merge], device=parameter.device)
+        return (_pixels(parameter, patches // merge**2, patch * merge, patch * merge, channels), tokens), {}
+    temporal = next((getattr(config, name) for name in _TEMPORAL_FIELDS if getattr(config, name, None)), 1)
+    width = channels * temporal * patch**2
+    args = (_pixels(parameter, patches, width), grid_thw)
+    merge_sizes = torch.full((len(grid),), 2, device=parameter.device)
+    return args, ({"merge_sizes": merge_sizes} if name == "video_llama_3" else {})
+
+
+def _pixels(parameter: torch.Tensor, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=parameter.device).to(parameter.dtype)

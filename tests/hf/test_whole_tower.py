@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
-from vgraph_compile.hf.vision_tower import asks_nothing
+from vgraph_compile.hf.whole_tower import asks_nothing
 from vgraph_compile.hf.packed_tower import learn_packed_tower
 from vgraph_compile.sample_models.vision_utils_towers import build_tower
 

@@ -6,44 +6,36 @@ learned from the tower: ``packed_tower``; cached by ``grid_metadata``), run the 
 item's rows back in the caller's order. On a tower served on images only, a grid row with t > 1 is refused by the
 input check, before anything runs, with the reason its video failed.
 
-Over a process group, each call is encoded data parallel (whole items per rank: ``data_parallel``) or sequence
-parallel (a slice of the rows per rank, through a second trace of the tower whose full attention spans the ranks:
-``sequence_parallel``), as ``parallel`` says; ``"auto"`` plans per call which items go which way
-(``parallel_plan``: items too large for a rank's fair share sequence parallel, the rest data parallel). Every
-choice that decides which collectives run is a pure function of the grid, the config and the group size, so the
-ranks never run different collectives.
+Tier 1 of ``compile_vision_tower`` (``hf/vlm``): the whole forward, glue included, is one graph (``TowerCall``),
+one replay per batch. Over a process group, each call is encoded data parallel, sequence parallel, or (``"auto"``)
+planned per call from the grid (``parallel_tower``, ``parallel_plan``): every choice that decides which collectives
+run is a pure function of the grid, the config and the group size, so the ranks never run different collectives.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import inspect
 import logging
-import types
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any, Callable, Literal
 
 import torch
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.entry.decorator import encoder
-from vgraph_compile.hf import data_parallel, parallel_plan, sequence_parallel
+from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.outputs import OutputFactory
-from vgraph_compile.hf.packed_tower import (
-    PackedTower,
-    grid_argument,
-    learn_packed_tower,
-    metadata_leaves,
-    rows_per_unit,
-)
+from vgraph_compile.hf.packed_tower import PackedTower, grid_argument, learn_packed_tower, metadata_leaves
+from vgraph_compile.hf.parallel_tower import ParallelTower
 from vgraph_compile.hf.stand_in import TowerStandIn
-from vgraph_compile.hf.batching import Batch, pack
+from vgraph_compile.hf.batching import Batch, pack, row_starts
+from vgraph_compile.hf.tower_call import TowerCall, traced_window_offsets
 
-__all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
+__all__ = ["CompiledVisionTower", "compile_packed_tower", "is_packed_tower"]
 
 log = logging.getLogger(__name__)
 
@@ -51,78 +43,6 @@ Parallel = Literal["data", "sequence", "auto"]
 
 _MAX_ROWS = 2**31 - 1
 """The upper end of a metadata length's stated range (``_mark_sizes``): int32 offsets hold no more."""
-
-def _row_starts(grid) -> list[int]:
-    """Where each item's rows start in pixel_values (and last_hidden_state), and the total at the end."""
-    starts = [0]
-    for t, h, w in grid:
-        starts.append(starts[-1] + t * h * w)
-    return starts
-
-
-def _item_rows(pixel_values: torch.Tensor, starts: list[int], items, count: int) -> torch.Tensor:
-    """The pixel rows of ``items`` (ascending indices, of ``count`` items), one after another."""
-    if list(items) == list(range(count)):
-        return pixel_values
-    rows = [pixel_values[starts[i] : starts[i + 1]] for i in items]
-    return torch.cat(rows) if rows else pixel_values[:0]
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal metadata parts: tensors of one dtype and shape with equal values, or equal plain values."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.shape == b.shape and torch.equal(a, b)
-        )
-    return type(a) is type(b) and a == b
-
-
-class TowerCall(torch.nn.Module):
-    """The traced forward: the tower with its grid withheld (or, for a ``grid_traced`` tower, passed in as a
-    fixed-size table among the metadata) and every grid-derived value passed in, so nothing syncs the host; takes
-    and returns rows packed along dim 0 (a ``batched`` tower gets its leading dim of 1 added, and its batched
-    fields lose it); returns the output fields flat (list fields expanded).
-
-    The ``torch._check`` calls state what holds by construction (one position id per patch, one window-index entry
-    per merged token: the learned ``metadata_patches_per_row``), so the trace gives those lengths one symbol.
-
-    Each instance's ``forward`` has its own code object: dynamo keeps traces, and counts its recompile limit, per
-    code object, so towers compiled in one process never share (and exhaust) one forward's trace cache.
-    """
-
-    def __init__(self, tower: torch.nn.Module, interface: PackedTower) -> None:
-        super().__init__()
-        self.tower = tower
-        self.grid_argument = interface.grid_argument
-        self.batched = interface.batched
-        self.relations = interface.metadata_patches_per_row
-        self.outputs = interface.outputs
-        shared = type(self).forward
-        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
-        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
-
-    def forward(self, pixel_values, **metadata):
-        patches = pixel_values.shape[0]
-        for (key, part), per_row in self.relations.items():
-            value = metadata_leaves(metadata[key])[part]
-            torch._check((value.shape[0] if isinstance(value, torch.Tensor) else value) * per_row == patches)
-        rows = pixel_values[None] if self.batched else pixel_values
-        out = self.tower(rows, **{self.grid_argument: None, **metadata})
-        flat = []
-        for field in self.outputs:
-            value = out[field.name]
-            values = value if isinstance(value, (list, tuple)) else (value,)
-            flat.extend(tensor[0] if field.batched else tensor for tensor in values)
-        return tuple(flat)
-
-
-def traced_window_offsets(config: VGraphConfig) -> tuple[str, ...]:
-    """``config.window_offsets`` (the tower's metadata keys, e.g. ``cu_window_seqlens``) as the trace of
-    ``TowerCall`` names those inputs (``metadata_<key>``, from its ``**metadata``): the names the analysis matches
-    to find the window group, which then gets the window bound instead of the token budget."""
-    return tuple(f"metadata_{key}" for key in config.window_offsets)
-
 
 def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
     """Whether passing ``name=value`` to a forward with these named parameters and defaults asks for what a call
@@ -137,18 +57,7 @@ def asks_nothing(defaults: dict[str, Any], name: str, value: Any) -> bool:
     return value is False
 
 
-@dataclass(frozen=True)
-class _SequenceGraphs:
-    """The tower's sequence-parallel trace over one process group, and its per-rank grid metadata."""
-
-    group: Any
-    rank: int
-    ranks: int
-    compiled: Any
-    grid_metadata: GridMetadata
-
-
-class CompiledVisionTower(TowerStandIn):
+class CompiledVisionTower(ParallelTower, TowerStandIn):
     """The tower, served by vgraph: ``(pixel_values, grid_thw) -> the tower's own output object``.
 
     It stands in the tower's place in a model (``model.model.visual = compile_packed_tower(model.model.visual)``):
@@ -178,9 +87,13 @@ class CompiledVisionTower(TowerStandIn):
         process_group: Any = None,
         parallel: Parallel = "data",
         sequence_cost: float = sequence_parallel.DEFAULT_SEQUENCE_COST,
+        trace_refused: Callable[[str], torch.nn.Module] | None = None,
     ) -> None:
         super().__init__(tower)
         self.interface = interface
+        self.trace_refused = trace_refused
+        """What serves the tower when its whole forward cannot be traced as one graph (called with the reason):
+        the block graphs, from ``compile_vision_tower``; None: the refusal is raised."""
         """What was learned from the tower: grid argument, pixel row shape, metadata plan, output fields."""
         self.signature = inspect.signature(tower.forward)
         """The tower's forward signature: calls bind to it, by position or by the tower's own names."""
@@ -223,6 +136,8 @@ class CompiledVisionTower(TowerStandIn):
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.__dict__["sequence_graphs"] = None
         """The sequence-parallel trace (``_SequenceGraphs``), made at the first sequence-parallel call."""
+        self.__dict__["replacement"] = None
+        """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.grid_metadata.clear()
 
     @property
@@ -231,9 +146,11 @@ class CompiledVisionTower(TowerStandIn):
         return self.compiled.vgraph.runtimes
 
     def stats_table(self) -> str:
-        """Each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
+        """The tier, and each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
         imbalance; with calls over a process group, the calls per mode."""
-        tables = [runtime.stats_table() for runtime in self.runtimes]
+        if self.replacement is not None:
+            return self.replacement.stats_table()
+        tables = ["tier: whole-tower graph", *(runtime.stats_table() for runtime in self.runtimes)]
         if self.sequence_graphs is not None:
             tables.append("sequence parallel:")
             tables.extend(runtime.stats_table() for runtime in self.sequence_graphs.compiled.vgraph.runtimes)
@@ -314,8 +231,14 @@ class CompiledVisionTower(TowerStandIn):
         parameter = self.parameter
         shape = (wide * side * side, *self.interface.pixel_shape)
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
-            self._run(pixel_values, grid)
+        try:
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
+                self._run(pixel_values, grid)
+        except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
+            if self.trace_refused is None or self.process_group is not None:
+                raise
+            self.__dict__["replacement"] = self.trace_refused(str(refusal))
+            raise _TraceRefused from refusal
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
         """The compiled tower on one batch, keyed by its grid: the metadata is the grid's, from the cache."""
@@ -341,8 +264,18 @@ class CompiledVisionTower(TowerStandIn):
 
     def forward(self, *args: Any, **kwargs: Any):
         """The tower's own arguments, by position or by its names (the processor's pixel rows as
-        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...). A call of the pixels and the grid
-        alone (by position, or the grid by its name) is bound without ``inspect``."""
+        ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...); once the trace was refused, the
+        ``trace_refused`` module serves every call."""
+        if self.replacement is None:
+            try:
+                return self._forward(*args, **kwargs)
+            except _TraceRefused:
+                pass
+        return self.replacement(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any):
+        """A call of the pixels and the grid alone (by position, or the grid by its name) is bound without
+        ``inspect``."""
         grid_name = self.interface.grid_argument
         if not self.training and not torch.is_grad_enabled():
             if len(args) == 2 and not kwargs and self.grid_second:
@@ -392,163 +325,6 @@ class CompiledVisionTower(TowerStandIn):
             self.split_calls += 1
             return self._split(pixel_values, grid, batches)
 
-    def _serve_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        """Every rank checks that all got the same batch, plans the call (``_plan``: a pure function of the grid, so
-        every rank runs the same collectives), encodes its share of the sequence-parallel items' rows and of the
-        data-parallel items, and gathers everyone's outputs."""
-        group = self.process_group
-        try:
-            (pixel_values, grid), refused = self._check(pixel_values, grid_thw), None
-        except ValueError as error:
-            grid, refused = [], error
-        key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
-        agreed = data_parallel.same_batch(key, *data_parallel.check_group(group, self.parameter.device))
-        if refused:
-            raise refused
-        if not agreed:
-            raise ValueError(
-                "the ranks of process_group were called with different grid_thw (or another rank refused its "
-                "input): every rank must pass the same full batch (pixel_values, grid_thw), as tensor-parallel "
-                "ranks receive the same multimodal inputs"
-            )
-        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        if self.parallel == "sequence" and self.sequence_refusal:
-            raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
-        if self.parallel != "sequence" and self.frames_split_exactly:
-            grid = list(parallel_plan.split_frames(grid, ranks))  # the same rows: the outputs are the same
-        plan = self._plan(grid, ranks)
-        self.parallel_calls[plan.mode] += 1
-        self.load_stats.record(plan.assignment)
-        if not grid:
-            self.warmup()
-            return self._output(self._encode(pixel_values, grid))
-        starts = _row_starts(grid)
-        parts = []
-        if plan.sequence:
-            rows = _item_rows(pixel_values, starts, plan.sequence, len(grid))
-            split = self._row_split(tuple(grid[i] for i in plan.sequence), ranks)
-            parts.append((plan.sequence, self._encode_sequence(rows, split, self._sequence_graphs())))
-        if plan.data:
-            self.warmup()
-            mine = [plan.data[i] for i in plan.assignment.items[rank]]
-            local = self._encode(_item_rows(pixel_values, starts, mine, len(grid)), [grid[i] for i in mine])
-            unit, folds = rows_per_unit(self.interface.outputs)
-            units = [(starts[i + 1] - starts[i]) // unit for i in plan.data]
-            flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
-            gathered = data_parallel.gather(local, flat_folds, units, plan.assignment, rank, group)
-            parts.append((plan.data, gathered))
-        return self._output(self._merge(grid, parts))
-
-    def _plan(self, grid: list[tuple[int, int, int]], ranks: int) -> parallel_plan.ParallelPlan:
-        """Which items go sequence parallel, which data parallel and where: from ``parallel``, the grid and the
-        ranks alone (``parallel_plan``). ``"auto"`` plans per call; a tower a slice cannot serve goes data parallel."""
-        def slice_rows(sub_grid) -> int:
-            return self._row_split(sub_grid, ranks).slice_rows
-
-        mode = self.parallel
-        if mode == "auto" and grid and ranks > 1 and not self.sequence_refusal:
-            return parallel_plan.plan(grid, ranks, slice_rows, self.sequence_cost)
-        sequence = tuple(range(len(grid))) if mode == "sequence" and ranks > 1 else ()
-        cost, data, assignment = parallel_plan.plan_cost(grid, sequence, ranks, slice_rows, self.sequence_cost)
-        return parallel_plan.ParallelPlan(sequence, data, assignment, cost)
-
-    @functools.cached_property
-    def frames_split_exactly(self) -> bool:
-        """Whether a video's frames may be encoded as items of their own (``parallel_plan.split_frames``): the
-        grid metadata of one two-frame item equals that of its two frames as two items. The traced call sees the
-        pixel rows and that metadata only (not the grid), so the outputs are then the same rows. Not for a tower
-        that reads its grid in the graph, or serves images only."""
-        if self.interface.grid_traced or self.interface.video_failure:
-            return False
-        side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
-        with torch.inference_mode(False), routed_attention(self.tower):
-            video = self.interface.metadata.compute(torch.tensor([[2, side, 2 * side]]))
-            frames = self.interface.metadata.compute(torch.tensor([[1, side, 2 * side]] * 2))
-        if video.keys() != frames.keys():
-            return False
-        for key in video:
-            mine, theirs = metadata_leaves(video[key]), metadata_leaves(frames[key])
-            if len(mine) != len(theirs) or not all(map(_same_value, mine, theirs)):
-                return False
-        return True
-
-    # -- sequence parallel --------------------------------------------------------------------------------------
-    @property
-    def sequence_refusal(self) -> str | None:
-        """Why this tower cannot be encoded sequence parallel (None: it can). A rank's slice is rows of a
-        ``[patches, ...]`` pixel layout, and the sliced metadata is the learned plan's; a grid table read in the
-        graph is indexed by segment, which a slice does not renumber."""
-        if self.interface.batched:
-            return f"{type(self.tower).__name__} takes pixel_values with a leading batch dim"
-        if self.interface.grid_traced:
-            return f"{type(self.tower).__name__} reads {self.interface.grid_argument} inside its graph"
-        return None
-
-    def _row_split(self, grid: Grid, ranks: int) -> sequence_parallel.Split:
-        unit, _ = rows_per_unit(self.interface.outputs)
-        return sequence_parallel.split_rows(grid, self.geometry, ranks, unit)
-
-    def _sequence_graphs(self) -> _SequenceGraphs:
-        """The sequence trace over the current process group; made, and warmed up on every rank at once (each rank
-        one synthetic image of 2 x 2 windows), at the group's first sequence-parallel call."""
-        group = self.process_group
-        if self.sequence_graphs is not None and self.sequence_graphs.group is group:
-            return self.sequence_graphs
-        self.close()
-        rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        window_keys = self.vgraph_config.window_offsets
-        window_inputs = traced_window_offsets(self.vgraph_config)
-        config = sequence_parallel.sequence_config(self.vgraph_config, group.group_name, ranks, window_inputs)
-
-        def localize(grid: Grid, metadata: dict[str, Any]) -> dict[str, Any]:
-            relations = self.interface.metadata_patches_per_row
-            split = self._row_split(grid, ranks)
-            return sequence_parallel.localize(metadata, relations, window_keys, split, rank)
-
-        graphs = _SequenceGraphs(
-            group,
-            rank,
-            ranks,
-            encoder(TowerCall(self.tower, self.interface), config=config),
-            GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize=localize),
-        )
-        self.__dict__["sequence_graphs"] = graphs
-        side = 2 * self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
-        grid = ((1, side, side),) * ranks
-        parameter = self.parameter
-        shape = (ranks * side * side, *self.interface.pixel_shape)
-        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            self._encode_sequence(pixel_values, self._row_split(grid, ranks), graphs)
-        for runtime in graphs.compiled.vgraph.runtimes:
-            sequence_parallel.agree_on_buckets(runtime, self.vgraph_config.budgets, group, parameter.device)
-        return graphs
-
-    def close(self) -> None:
-        """Release the sequence-parallel graphs: their captured all-to-alls hold the process group's NCCL
-        communicator, and NCCL (2.26+) destroys a communicator only once every graph that captured a collective on
-        it is gone, so ``destroy_process_group`` waits forever while they live (pytorch#115388). Call it on every
-        rank before ``destroy_process_group``; a later sequence-parallel call makes them again, on every rank at once.
-        Data-parallel encoding captures no collective and needs no release."""
-        graphs = self.sequence_graphs
-        if graphs is not None:
-            for runtime in graphs.compiled.vgraph.runtimes:
-                runtime.release()
-            self.__dict__["sequence_graphs"] = None
-
-    def _encode_sequence(
-        self, pixel_values: torch.Tensor, split: sequence_parallel.Split, graphs: _SequenceGraphs
-    ) -> list[torch.Tensor]:
-        """The flat output fields of the whole batch, this rank encoding its slice of the rows."""
-        start, stop = split.rows(graphs.rank)
-        padding = pixel_values.new_zeros(split.slice_rows - (stop - start), *pixel_values.shape[1:])
-        rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
-        with self._routing(graphs.compiled):
-            local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
-        unit, folds = rows_per_unit(self.interface.outputs)
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
-        return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
-
     def _routing(self, compiled=None) -> contextlib.AbstractContextManager:
         """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
         traced = (compiled or self.compiled).traced
@@ -557,7 +333,7 @@ class CompiledVisionTower(TowerStandIn):
     def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
         keeps each item's rows together, in item order, so ``last_hidden_state`` comes out as one call gives it."""
-        starts = _row_starts(grid)
+        starts = row_starts(grid)
         parts = []
         for batch in batches:
             rows = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in batch.items])
@@ -570,7 +346,7 @@ class CompiledVisionTower(TowerStandIn):
         returned as it is."""
         if len(parts) == 1 and list(parts[0][0]) == list(range(len(grid))):
             return list(parts[0][1])
-        starts = _row_starts(grid)
+        starts = row_starts(grid)
         per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
         pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
         for items, outputs in parts:
@@ -593,6 +369,10 @@ class CompiledVisionTower(TowerStandIn):
         return self.make_output(fields)
 
 
+class _TraceRefused(Exception):
+    """The warm-up trace was refused and ``replacement`` now serves the tower."""
+
+
 def is_packed_tower(tower: torch.nn.Module) -> bool:
     """Whether ``tower`` takes packed patch rows with a grid (``grid_thw``, ``image_grid_thw``...) and a config."""
     return isinstance(tower, torch.nn.Module) and hasattr(tower, "config") and grid_argument(tower) is not None
@@ -606,6 +386,7 @@ def compile_packed_tower(
     process_group: Any = None,
     parallel: Parallel = "data",
     sequence_cost: float = sequence_parallel.DEFAULT_SEQUENCE_COST,
+    trace_refused: Callable[[str], torch.nn.Module] | None = None,
     **options: Any,
 ) -> CompiledVisionTower:
     """Compile a packed tower (``model.visual``: its forward takes a grid) with the vgraph backend, bounded by the
@@ -625,6 +406,10 @@ def compile_packed_tower(
     sequence parallel (a row of it costing ``sequence_cost`` rows) and the rest data parallel
     (``vgraph_compile.hf.parallel_plan``). None: this process alone. With ``"sequence"`` or ``"auto"``, call the
     tower's ``close()`` on every rank before ``destroy_process_group``.
+
+    ``trace_refused``: called with the reason when the first call's warm-up trace is refused (the whole forward is
+    not one graph); the module it returns serves that call and every later one (``compile_vision_tower`` passes
+    the block graphs).
     """
     if isinstance(tower, CompiledVisionTower):
         tower = tower.tower
@@ -646,5 +431,11 @@ def compile_packed_tower(
         **options,
     )
     return CompiledVisionTower(
-        tower, interface, config, process_group=process_group, parallel=parallel, sequence_cost=sequence_cost
+        tower,
+        interface,
+        config,
+        process_group=process_group,
+        parallel=parallel,
+        sequence_cost=sequence_cost,
+        trace_refused=trace_refused,
     )
