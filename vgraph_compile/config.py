@@ -63,10 +63,8 @@ class VGraphConfig:
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
-    call_choice: Literal["measured", "smallest_bucket", "exact_size", "stock"] | None = None
-    """How a call that fits a bucket is run. None: measured where the buckets are CUDA graphs, smallest_bucket
-    elsewhere (on a CPU the compiled code runs per bucket, and timings on shared cores would make the choice
-    noise). measured: the cheapest of padding it to the smallest bucket, splitting
+    call_choice: Literal["measured", "smallest_bucket", "exact_size", "stock"] = "smallest_bucket"
+    """How a call that fits a bucket is run. measured: the cheapest of padding it to the smallest bucket, splitting
     it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``), running the
     compiled code at the call's exact sizes with no graph, and the user's own module, by the cost table timed at
     warm-up (``serve/call_costs``: the warm-up then also runs the compiled code at every bucket's sizes) and
@@ -157,7 +155,7 @@ class VGraphConfig:
             )
         object.__setattr__(self, "segments", segments)
 
-        if self.call_choice is not None and self.call_choice not in CALL_CHOICES:
+        if self.call_choice not in CALL_CHOICES:
             raise ValueError(
                 f"VGraphConfig.call_choice={self.call_choice!r} is unknown: use one of {list(CALL_CHOICES)}"
             )

@@ -129,9 +129,9 @@ class VGraphRuntime:
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
-        self.call_choice = self.config.call_choice or ("measured" if encoder.cudagraphs else "smallest_bucket")
-        """How calls that fit a bucket are served (``VGraphConfig.call_choice``, None resolved by the device); may be
-        changed between calls (the cost table is measured when ``measured`` first needs it)."""
+        self.call_choice = self.config.call_choice
+        """How calls that fit a bucket are served (``VGraphConfig.call_choice``); may be changed between calls (the
+        cost table is measured when ``measured`` first needs it)."""
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
