@@ -75,8 +75,18 @@ class _HotPath:
 class CompiledEncoderFunction:
     """What ``vgraph_compile.encoder`` returns: call it like the encoder."""
 
-    def __init__(self, target: Callable[..., Any], config: VGraphConfig, analyses: Analyses = ANALYSES) -> None:
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        config: VGraphConfig,
+        analyses: Analyses = ANALYSES,
+        around_trace: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        """``around_trace``: entered around every call that goes through dynamo (the first trace, any retrace)
+        and around a call run as written, never on the hot path: what the trace must see whichever call traces
+        (the HF towers' attention routing, ``hf.attention.routed_attention``)."""
         self.target = target
+        self._around_trace = around_trace
         self.vgraph = VGraphBackend(config, keep_first_outputs=True, analyses=analyses)
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
@@ -120,7 +130,7 @@ class CompiledEncoderFunction:
             result = hot(args, kwargs, key)
             if result is not NotImplemented:
                 return result
-        with self._trace_lock:
+        with self._trace_lock, self._around_trace():
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             if self._first_call:
                 self._first_call = False

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.decorator import encoder
+from vgraph_compile.decorator import CompiledEncoderFunction
 from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
@@ -195,12 +195,18 @@ class CompiledVisionTower(TowerStandIn):
     def _reset(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
         config = replace(self.vgraph_config, window_offsets=traced_window_offsets(self.vgraph_config))
-        self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=config)
+        self.__dict__["compiled"] = self._encoder(config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.__dict__["sequence_graphs"] = None
         """The sequence-parallel trace (``_SequenceGraphs``), made at the first sequence-parallel call."""
         self.grid_metadata.clear()
+
+    def _encoder(self, config: VGraphConfig) -> CompiledEncoderFunction:
+        """The tower's traced call compiled by vgraph; every trace of it, the first or a retrace for a call that
+        the first trace does not cover, sees the attention routed, whichever blocks the tower has."""
+        call = TowerCall(self.tower, self.interface)
+        return CompiledEncoderFunction(call, config, around_trace=lambda: routed_attention(self.tower))
 
     @property
     def runtimes(self):
@@ -291,7 +297,7 @@ class CompiledVisionTower(TowerStandIn):
         parameter = self.parameter
         shape = (wide * side * side, *self.interface.pixel_shape)
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             self._run(pixel_values, grid)
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
@@ -363,11 +369,10 @@ class CompiledVisionTower(TowerStandIn):
             ]
         config = self.vgraph_config
         batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
-        with self._routing():
-            if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
-                return list(self._run(pixel_values, tuple(grid)))
-            self.split_calls += 1
-            return self._split(pixel_values, grid, batches)
+        if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
+            return list(self._run(pixel_values, tuple(grid)))
+        self.split_calls += 1
+        return self._split(pixel_values, grid, batches)
 
     def _serve_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """Every rank checks that all got the same batch, encodes its share (items or rows, by ``parallel``), and
@@ -449,7 +454,7 @@ class CompiledVisionTower(TowerStandIn):
             group,
             rank,
             ranks,
-            encoder(TowerCall(self.tower, self.interface), config=config),
+            self._encoder(config),
             GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize=localize),
         )
         self.__dict__["sequence_graphs"] = graphs
@@ -469,16 +474,10 @@ class CompiledVisionTower(TowerStandIn):
         start, stop = split.rows(graphs.rank)
         padding = pixel_values.new_zeros(split.slice_rows - (stop - start), *pixel_values.shape[1:])
         rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
-        with self._routing(graphs.compiled):
-            local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
+        local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
         unit, folds = rows_per_unit(self.interface.outputs)
         flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
         return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
-
-    def _routing(self, compiled=None) -> contextlib.AbstractContextManager:
-        """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
-        traced = (compiled or self.compiled).traced
-        return contextlib.nullcontext() if traced else routed_attention(self.tower)
 
     def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
