@@ -365,7 +365,7 @@ class CompiledVisionTower(TowerStandIn):
             return [
                 pixel_values.new_empty(0, *field.width)
                 for field in self.interface.outputs
-                for _ in range(field.count or 1)
+                for _ in range(field.tensors)
             ]
         config = self.vgraph_config
         batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
@@ -415,7 +415,7 @@ class CompiledVisionTower(TowerStandIn):
         local = self._encode(torch.cat(rows) if rows else pixel_values[:0], [grid[i] for i in mine])
         unit, folds = rows_per_unit(self.interface.outputs)
         units = [(starts[i + 1] - starts[i]) // unit for i in range(len(grid))]
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
         return self._output(data_parallel.gather(local, flat_folds, units, assignment, rank, group))
 
     # -- sequence parallel --------------------------------------------------------------------------------------
@@ -476,14 +476,14 @@ class CompiledVisionTower(TowerStandIn):
         rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
         local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
         unit, folds = rows_per_unit(self.interface.outputs)
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
         return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
 
     def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
         keeps each item's rows together, in item order, so ``last_hidden_state`` comes out as one call gives it."""
         starts = _row_starts(grid)
-        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
+        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.tensors)]
         pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
         for batch in batches:
             rows = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in batch.items])
@@ -500,10 +500,10 @@ class CompiledVisionTower(TowerStandIn):
         """The tower's own output object from the flat fields (a batched field gets its leading dim of 1 back)."""
         fields, position = {}, 0
         for field in self.interface.outputs:
-            values = flat[position : position + (field.count or 1)]
+            values = flat[position : position + field.tensors]
             values = [value[None] if field.batched else value for value in values]
             fields[field.name] = values[0] if field.count is None else values
-            position += field.count or 1
+            position += field.tensors
         return self.make_output(fields)
 
 
