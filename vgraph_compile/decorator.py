@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 from typing import Any, Callable
@@ -55,6 +56,23 @@ def trace_options(args: tuple = ()) -> contextlib.ExitStack:
     stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
     stack.enter_context(cudnn_attention(False))
     return stack
+
+
+def refuse_int_lists(forward: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """A ``ValueError`` naming the first argument that is a list of ints (``cu_seqlens`` given as
+    ``[0, 5, 12]``): dynamo would bake its length into the trace (a retrace per segment count) and an attention
+    op takes offsets as a tensor, so it is refused before anything is traced, with the conversion to make."""
+    try:
+        bound = inspect.signature(forward).bind(*args, **kwargs).arguments
+    except TypeError:
+        return  # the encoder's own call reports it
+    for name, value in bound.items():
+        if isinstance(value, list) and value and all(type(item) is int for item in value):
+            raise ValueError(
+                f"{name} is a Python list of {len(value)} ints ({value[:4]}{'...' if len(value) > 4 else ''}): "
+                f"vgraph traces tensors, whose sizes may change from call to call; pass "
+                f"{name}=torch.tensor({name}, dtype=torch.int32, device=...) (offsets are int32 on the tokens' device)"
+            )
 
 
 class _HotPath:
@@ -130,6 +148,7 @@ class CompiledEncoderFunction:
             result = hot(args, kwargs, key)
             if result is not NotImplemented:
                 return result
+        refuse_int_lists(self._forward, args, kwargs)
         with self._trace_lock, self._around_trace():
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             if self._first_call:
