@@ -36,7 +36,7 @@ import sympy
 import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from vgraph_compile.symbolic import evaluate, substitute, traced_values
+from vgraph_compile.symbolic import canonical, evaluate, substitute, traced_values
 from vgraph_compile.spec import BucketShape, PassContext, Role, VarlenSpec
 
 __all__ = [
@@ -123,7 +123,7 @@ def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int]
 
 def _guards(ctx: PassContext):
     for guard in ctx.shape_env.guards:
-        yield guard.expr, sympy.sympify(ctx.shape_env.replace(guard.expr))
+        yield guard.expr, canonical(ctx.shape_env, guard.expr)
 
 
 def _follow_relations(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
