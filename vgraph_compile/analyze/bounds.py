@@ -90,14 +90,15 @@ def token_caps(rows: sympy.Expr, budget: int, least: dict[sympy.Symbol, int]) ->
 
 
 def window_groups(ctx: PassContext) -> set[int] | None:
-    """Indices of the window-attention groups: those whose offsets input ``config.window_offsets`` names;
-    None when there are several groups and none is named (every group is then sized for frames and windows)."""
+    """Indices of the window-attention groups: those whose offsets input ``config.window_offsets`` names, the
+    only group included (a tower whose every block is a window block); None when there are several groups and
+    none is named (every group is then sized for frames and windows)."""
     groups, config = ctx.spec.groups, ctx.config
-    if len(groups) == 1 or config.geometry is None or config.geometry.window_size is None:
+    if config.geometry is None or config.geometry.window_size is None:
         return set()
     named = {name for name in config.window_offsets}
     windows = {group.index for group in groups if ctx.spec.describe_input(group.offsets_input) in named}
-    if not windows:
+    if not windows and len(groups) > 1:
         log.info(
             "no attention group's offsets input is named in window_offsets %s: sizing every group for both "
             "frames and windows (name the window cu_seqlens argument there for tighter buckets)",
