@@ -20,7 +20,7 @@ from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.models.hf_families import TINY_SIZES, build_tower, released_config, shrunk
 
-__all__ = ["tower_sizes", "check_served"]
+__all__ = ["tower_sizes", "tiny_sizes", "check_served"]
 
 _LAYER_FIELDS = ("depth", "num_hidden_layers", "num_layers")
 _WIDTH_FIELDS = ("hidden_size", "embed_dim", "width")
@@ -81,6 +81,14 @@ def tower_sizes(name: str) -> st.SearchStrategy[dict]:
         return shrunk(defaults, {**TINY_SIZES, **drawn}, windowed_depth=None)
 
     return sizes()
+
+
+def tiny_sizes(name: str, **fields) -> dict:
+    """The family's ``TINY_SIZES`` tower with ``fields`` over them, at the depth ``fields`` give (an explicit
+    example of ``tower_sizes``)."""
+    depth = fields.pop("depth", 1)
+    sizes = {**TINY_SIZES, **{key: depth for key in _LAYER_FIELDS}, **fields}
+    return shrunk(released_config(name), sizes, windowed_depth=None)
 
 
 def _assert_same(out, ref, case: str) -> None:
