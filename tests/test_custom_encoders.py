@@ -41,7 +41,8 @@ class _Block(nn.Module):
         tokens = x.shape[0]
         q, k, v = self.qkv(self.norm(x)).view(tokens, 3, HEADS, -1).unbind(1)
         if self.rotary:
-            cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+            angles = torch.cat([angles, angles], -1)[:, None]
+            cos, sin = angles.cos(), angles.sin()
             q, k = ((t * cos + torch.cat([-t[..., 1::2], t[..., ::2]], -1) * sin) for t in (q, k))
         return x + self.proj(varlen_attention(q, k, v, cu_seqlens, max_seqlen).reshape(tokens, -1))
 
