@@ -167,4 +167,6 @@ def test_refusals_are_rare():
     if not DRAWN:
         pytest.skip("run with the drawn-encoder test")
     report(f"custom encoders: {len(REFUSED)} of {len(DRAWN)} drawn refused before compiling")
+    for refusal in REFUSED:
+        report(f"  {refusal.splitlines()[0][:300]}")
     assert len(REFUSED) * 5 <= len(DRAWN), REFUSED
