@@ -156,6 +156,7 @@ def test_drawn_encoder_equal_to_eager_or_refused_before_compiling(recipe, entry)
                 out = compiled(*inputs)
             except ValueError as refusal:
                 assert counters.compiles == compiles, f"refused after compiling: {refusal}"
+                assert "test_custom_encoders.py:" in str(refusal), f"the refusal names no line: {refusal}"
                 REFUSED.append(f"{entry} {recipe}: {refusal}")
                 return
         _same(out, ref)

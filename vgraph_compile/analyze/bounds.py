@@ -123,8 +123,15 @@ def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int]
 
 
 def _guards(ctx: PassContext):
+    """(each guard dynamo recorded, its expression in canonical symbols)."""
     for guard in ctx.shape_env.guards:
-        yield guard.expr, canonical(ctx.shape_env, guard.expr)
+        yield guard, canonical(ctx.shape_env, guard.expr)
+
+
+def _where(guard) -> str:
+    """The user's line that recorded ``guard``, as dynamo located it (empty when it did not)."""
+    where = getattr(getattr(guard, "sloc", None), "maybe_user_loc", None)
+    return f", recorded at {where}" if where else ""
 
 
 def _follow_relations(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
@@ -213,14 +220,15 @@ def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketSh
     hints = traced_values(ctx.shape_env)
     for symbol in fixed - set(values):
         values[symbol] = int(hints[symbol])
-    for traced, expr in _guards(ctx):
+    for guard, expr in _guards(ctx):
         if expr.free_symbols - set(values) - set(ctx.shape_env.replacements):
             continue
         if substitute(expr, values) != sympy.true:
             described = ", ".join(f"{spec.describe(s)}={v}" for s, v in sorted(values.items(), key=str))
             raise BudgetRefused(
-                f"budget {budget} breaks the traced constraint {spec.describe_expr(expr)} (with {described}): the "
-                "encoder cannot run at that size; pick budgets that satisfy it (e.g. multiples of the merge size)"
+                f"budget {budget} breaks the traced constraint {spec.describe_expr(expr)}{_where(guard)} (with "
+                f"{described}): the encoder cannot run at that size; pick budgets that satisfy it (e.g. multiples "
+                "of the merge size)"
             )
     return BucketShape(budget, values, tuple(segments), tuple(max_seqlen), fixed)
 
