@@ -86,16 +86,21 @@ class PartsEncoder(nn.Module):
         recipe = self.recipe
         x = self.embed(patches)
         tokens, width = x.shape
-        angles = position_ids.to(x.dtype)[:, None] * torch.linspace(0.1, 1.0, WIDTH // HEADS // 2, device=x.device)
+        angles = None
+        if recipe["positions"] == "rotary":
+            frequencies = torch.linspace(0.1, 1.0, WIDTH // HEADS // 2, device=x.device)
+            angles = position_ids.to(x.dtype)[:, None] * frequencies
         if recipe["positions"] == "learned":
             x = x + self.table(position_ids)
         if recipe["windowed"]:
             x = x.view(tokens // 4, 4, width)[window_index].reshape(tokens, width)
-            angles = angles.view(tokens // 4, 4, -1)[window_index].reshape(tokens, -1)
+            if angles is not None:
+                angles = angles.view(tokens // 4, 4, -1)[window_index].reshape(tokens, -1)
         cls_rows = None
         if recipe["cls"] != "none":
             x, cu_seqlens, cls_rows = self._with_cls(x, cu_seqlens)
-            angles = F.pad(angles, (0, 0, 0, cls_rows.shape[0]))  # CLS rows: unrotated past the patches
+            if angles is not None:
+                angles = F.pad(angles, (0, 0, 0, cls_rows.shape[0]))  # CLS rows: unrotated past the patches
             max_seqlen = max_seqlen + 1
         for block, kind in zip(self.blocks, recipe["blocks"]):
             if kind == "window" and recipe["windowed"]:
