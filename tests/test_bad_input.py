@@ -30,6 +30,11 @@ CASES = {
         r"cu_seqlens has shape \(1, 3\), but the encoder takes \[any\]",
         r"cu_seqlens input 'cu_seqlens' is 2-D: it must be 1-D .*cu_seqlens.reshape\(-1\)",
     ),
+    "cu_seqlens as a Python list": (
+        (PATCHES, CU.tolist(), MAX_SEQLEN),
+        r"cu_seqlens is a Python list of 3 ints .*cu_seqlens=torch.tensor\(cu_seqlens, dtype=torch.int32",
+        r"cu_seqlens is a Python list of 3 ints .*cu_seqlens=torch.tensor\(cu_seqlens, dtype=torch.int32",
+    ),
     "tokens on the meta device": (
         (PATCHES.to("meta"), CU, MAX_SEQLEN),
         r"patches is torch.float32 on meta, but .* on cpu: .*patches.to\(device='cpu'",

@@ -1,11 +1,14 @@
-"""Sizes as sympy expressions of the trace's symbols: substituted, evaluated, and refused when a symbol has no value."""
+"""Sizes as sympy expressions of the trace's symbols: substituted, evaluated, refused when a symbol has no value,
+and (``canonical``) put in the trace's canonical symbols with the ShapeEnv's divisibility facts used, on a real
+ShapeEnv whose fact comes from a guard as a ``view`` records it."""
 
 import pytest
 import sympy
 from torch._dynamo.source import ConstantSource
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils._sympy.functions import FloorDiv, Mod
 
-from vgraph_compile.symbolic import evaluate, substitute, traced_values
+from vgraph_compile.symbolic import canonical, evaluate, substitute, traced_values
 
 TOKENS, IMAGES = sympy.symbols("s0 s1", integer=True, positive=True)
 
@@ -28,3 +31,32 @@ def test_traced_values_are_the_values_of_the_traced_call():
     size = shape_env.create_symbol(12, source=ConstantSource("tokens"))
     assert traced_values(shape_env)[size] == 12
     assert unbacked.node.expr not in traced_values(shape_env)
+
+
+def _tokens_a_multiple_of(divisor: int):
+    """A ShapeEnv with one token symbol ``T`` (traced at 48) and the guard ``T % divisor == 0``."""
+    env = ShapeEnv()
+    symbol = env.create_symbol(48, source=ConstantSource("T"), dynamic_dim=DimDynamic.DYNAMIC)
+    tokens = env.create_symintnode(symbol, hint=48)
+    assert bool(tokens % divisor == 0)
+    return env, symbol
+
+
+def test_divisibility_facts_simplify_floor_divisions_and_guards():
+    """``T // (T // 4)`` (a window permutation's ``view(T // 4, -1, d)``) is 4 once ``T % 4 == 0`` is known, so
+    a packed row count ``12 * that`` is a constant, and a guard over it holds; ``T`` itself is left as it is."""
+    env, tokens = _tokens_a_multiple_of(4)
+    windows = FloorDiv(tokens, FloorDiv(tokens, 4))
+    assert env.replace(windows) == windows  # the replacements alone keep it
+    assert canonical(env, 12 * windows) == 48
+    assert canonical(env, Mod(tokens + 4, 4)) == 0
+    assert canonical(env, sympy.Eq(windows, 4)) == sympy.true
+    assert canonical(env, tokens) == tokens
+    assert canonical(env, FloorDiv(tokens, 4)) == FloorDiv(tokens, 4)
+
+
+def test_no_fact_no_rewrite():
+    """``T // 8`` under ``T % 4 == 0`` proves nothing: it is kept."""
+    env, tokens = _tokens_a_multiple_of(4)
+    assert canonical(env, FloorDiv(tokens, 8)) == FloorDiv(tokens, 8)
+    assert canonical(env, FloorDiv(tokens, FloorDiv(tokens, 8))) == FloorDiv(tokens, FloorDiv(tokens, 8))

@@ -81,3 +81,14 @@ def test_head_dim_padding_is_exact(monkeypatch, dtype, tolerance, scale):
         assert padded.shape == q.shape and padded.is_contiguous()
         torch.testing.assert_close(padded, unpadded, rtol=tolerance, atol=tolerance)
         assert padded[26:].eq(0).all()
+
+
+def test_offsets_as_a_python_list_are_refused_by_name():
+    """cu_seqlens given as a list of offsets: a ValueError naming it and the conversion, in eager code as in a
+    trace (where plain torch.compile stops at it), not the op schema's cast error."""
+    q, k, v, cu = _packed([5, 7])
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D int32 tensor .*got a list; pass torch.tensor"):
+        varlen_attention(q, k, v, cu.tolist(), 7)
+    compiled = torch.compile(varlen_attention, backend="eager", dynamic=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D int32 tensor .*got a list"):
+        compiled(q, k, v, cu.tolist(), 7)

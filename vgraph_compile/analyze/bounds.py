@@ -36,7 +36,7 @@ import sympy
 import torch.fx
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from vgraph_compile.symbolic import evaluate, substitute, traced_values
+from vgraph_compile.symbolic import canonical, evaluate, substitute, traced_values
 from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, VarlenSpec
 
 __all__ = [
@@ -90,14 +90,15 @@ def token_caps(rows: sympy.Expr, budget: int, least: dict[sympy.Symbol, int]) ->
 
 
 def window_groups(ctx: PassContext) -> set[int] | None:
-    """Indices of the window-attention groups: those whose offsets input ``config.window_offsets`` names;
-    None when there are several groups and none is named (every group is then sized for frames and windows)."""
+    """Indices of the window-attention groups: those whose offsets input ``config.window_offsets`` names, the
+    only group included (a tower whose every block is a window block); None when there are several groups and
+    none is named (every group is then sized for frames and windows)."""
     groups, config = ctx.spec.groups, ctx.config
-    if len(groups) == 1 or config.geometry is None or config.geometry.window_size is None:
+    if config.geometry is None or config.geometry.window_size is None:
         return set()
     named = {name for name in config.window_offsets}
     windows = {group.index for group in groups if ctx.spec.describe_input(group.offsets_input) in named}
-    if not windows:
+    if not windows and len(groups) > 1:
         log.info(
             "no attention group's offsets input is named in window_offsets %s: sizing every group for both "
             "frames and windows (name the window cu_seqlens argument there for tighter buckets)",
@@ -122,8 +123,15 @@ def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int]
 
 
 def _guards(ctx: PassContext):
+    """(each guard dynamo recorded, its expression in canonical symbols)."""
     for guard in ctx.shape_env.guards:
-        yield guard.expr, sympy.sympify(ctx.shape_env.replace(guard.expr))
+        yield guard, canonical(ctx.shape_env, guard.expr)
+
+
+def _where(guard) -> str:
+    """The user's line that recorded ``guard``, as dynamo located it (empty when it did not)."""
+    where = getattr(getattr(guard, "sloc", None), "maybe_user_loc", None)
+    return f", recorded at {where}" if where else ""
 
 
 def _follow_relations(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
@@ -212,14 +220,15 @@ def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketSh
     hints = traced_values(ctx.shape_env)
     for symbol in fixed - set(values):
         values[symbol] = int(hints[symbol])
-    for traced, expr in _guards(ctx):
+    for guard, expr in _guards(ctx):
         if expr.free_symbols - set(values) - set(ctx.shape_env.replacements):
             continue
         if substitute(expr, values) != sympy.true:
             described = ", ".join(f"{spec.describe(s)}={v}" for s, v in sorted(values.items(), key=str))
             raise BudgetRefused(
-                f"budget {budget} breaks the traced constraint {spec.describe_expr(expr)} (with {described}): the "
-                "encoder cannot run at that size; pick budgets that satisfy it (e.g. multiples of the merge size)"
+                f"budget {budget} breaks the traced constraint {spec.describe_expr(expr)}{_where(guard)} (with "
+                f"{described}): the encoder cannot run at that size; pick budgets that satisfy it (e.g. multiples "
+                "of the merge size)"
             )
     return BucketShape(budget, values, tuple(segments), tuple(max_seqlen), fixed)
 

@@ -17,7 +17,7 @@ from torch._dynamo import source as dynamo_source
 
 from vgraph_compile.fx_utils import ancestors, callable_name, example_value
 from vgraph_compile.spec import Binding, PassContext, user_name
-from vgraph_compile.symbolic import traced_values
+from vgraph_compile.symbolic import canonical, traced_values
 
 __all__ = [
     "Simplify",
@@ -35,11 +35,12 @@ Simplify = Callable[[object], sympy.Expr]
 
 
 def simplifier(shape_env) -> Simplify:
-    """``Simplify`` with ``shape_env``'s replacements (duck-sized and guarded-equal symbols made one)."""
+    """``Simplify`` with ``shape_env``'s replacements (duck-sized and guarded-equal symbols made one) and its
+    divisibility facts (``symbolic.canonical``)."""
 
     def simplify(value) -> sympy.Expr:
         expr = value.node.expr if isinstance(value, (torch.SymInt, torch.SymFloat)) else sympy.sympify(value)
-        return sympy.sympify(shape_env.replace(expr))
+        return canonical(shape_env, expr)
 
     return simplify
 

@@ -15,7 +15,9 @@ After a first trace the plan is saved for later processes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import logging
 import threading
 from typing import Any, Callable
@@ -34,6 +36,23 @@ from vgraph_compile.entry import warm_start
 __all__ = ["encoder", "CompiledEncoderFunction"]
 
 log = logging.getLogger(__name__)
+
+
+def refuse_int_lists(forward: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """A ``ValueError`` naming the first argument that is a list of ints (``cu_seqlens`` given as
+    ``[0, 5, 12]``): dynamo would bake its length into the trace (a retrace per segment count) and an attention
+    op takes offsets as a tensor, so it is refused before anything is traced, with the conversion to make."""
+    try:
+        bound = inspect.signature(forward).bind(*args, **kwargs).arguments
+    except TypeError:
+        return  # the encoder's own call reports it
+    for name, value in bound.items():
+        if isinstance(value, list) and value and all(type(item) is int for item in value):
+            raise ValueError(
+                f"{name} is a Python list of {len(value)} ints ({value[:4]}{'...' if len(value) > 4 else ''}): "
+                f"vgraph traces tensors, whose sizes may change from call to call; pass "
+                f"{name}=torch.tensor({name}, dtype=torch.int32, device=...) (offsets are int32 on the tokens' device)"
+            )
 
 
 class _HotPath:
@@ -59,8 +78,18 @@ class _HotPath:
 class CompiledEncoderFunction:
     """What ``vgraph_compile.encoder`` returns: call it like the encoder."""
 
-    def __init__(self, target: Callable[..., Any], config: VGraphConfig, analyses: Analyses = ANALYSES) -> None:
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        config: VGraphConfig,
+        analyses: Analyses = ANALYSES,
+        around_trace: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        """``around_trace``: entered around every call that goes through dynamo (the first trace, any retrace)
+        and around a call run as written, never on the hot path: what the trace must see whichever call traces
+        (the HF towers' attention routing, ``hf.attention.routed_attention``)."""
         self.target = target
+        self._around_trace = around_trace
         self.vgraph = VGraphBackend(config, keep_first_outputs=True, analyses=analyses)
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
@@ -104,7 +133,8 @@ class CompiledEncoderFunction:
             result = hot(args, kwargs, key)
             if result is not NotImplemented:
                 return result
-        with self._trace_lock:
+        refuse_int_lists(self._forward, args, kwargs)
+        with self._trace_lock, self._around_trace():
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             if self._first_call:
                 self._first_call = False

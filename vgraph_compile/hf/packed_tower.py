@@ -71,6 +71,12 @@ class OutputField:
     batched: bool = False
     """The field carries a leading batch dim of 1 (``[1, rows, ...]``), like a batched tower's pixel_values."""
 
+    @property
+    def tensors(self) -> int:
+        """How many tensors the field holds: 1 for a tensor, ``count`` for a list (0 for an empty one: a deepstack
+        list when no block of this depth is tapped)."""
+        return 1 if self.count is None else self.count
+
 
 @dataclass(frozen=True)
 class PackedTower:
@@ -201,6 +207,7 @@ def _fields(output) -> dict[str, Any]:
 
 
 def _first_tensor(value) -> torch.Tensor:
+    """The field's tensor, or the first of its list (``_verify`` handles an empty list before asking)."""
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
@@ -332,6 +339,11 @@ def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_outpu
     outputs = []
     for field_name, value in _fields(expected).items():
         first_value = _fields(first_output)[field_name]
+        if isinstance(value, (list, tuple)) and not (value and first_value):
+            if value or first_value:
+                raise _refuse(tower, f"its output {field_name} is a list whose length changes with the grid")
+            outputs.append(OutputField(field_name, 0, 1, ()))  # no rows: any patches per row holds
+            continue
         dim = _rows_dim(layout, first_value, value)
         rows = [_first_tensor(first_value).shape[dim], _first_tensor(value).shape[dim]]
         ratio = _patches_per_row(patch_counts, rows)

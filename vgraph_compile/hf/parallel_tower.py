@@ -9,7 +9,7 @@ whole output. Towers whose graphs hold collectives must be ``close()``d on every
 ``ParallelTower`` holds that orchestration for ``CompiledVisionTower`` (``whole_tower``), which serves one
 process's calls and keeps the state these methods read: ``process_group``, ``parallel``, ``sequence_cost``,
 ``parallel_calls``, ``load_stats``, ``sequence_graphs``, and the per-call steps ``_check``, ``_encode``,
-``_output``, ``_routing`` and ``warmup``.
+``_output``, ``_encoder`` and ``warmup``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from vgraph_compile.entry.decorator import encoder
 from vgraph_compile.hf import data_parallel, parallel_plan, sequence_parallel
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.packed_tower import metadata_leaves, rows_per_unit
 from vgraph_compile.hf.batching import row_starts
-from vgraph_compile.hf.tower_call import TowerCall, traced_window_offsets
+from vgraph_compile.hf.tower_call import traced_window_offsets
 
 __all__ = ["ParallelTower"]
 
@@ -106,7 +105,7 @@ class ParallelTower:
             local = self._encode(_item_rows(pixel_values, starts, mine, len(grid)), [grid[i] for i in mine])
             unit, folds = rows_per_unit(self.interface.outputs)
             units = [(starts[i + 1] - starts[i]) // unit for i in plan.data]
-            flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+            flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
             gathered = data_parallel.gather(local, flat_folds, units, plan.assignment, rank, group)
             parts.append((plan.data, gathered))
         return self._output(self._merge(grid, parts))
@@ -181,7 +180,7 @@ class ParallelTower:
             group,
             rank,
             ranks,
-            encoder(TowerCall(self.tower, self.interface), config=config),
+            self._encoder(config),
             GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize=localize),
         )
         self.__dict__["sequence_graphs"] = graphs
@@ -215,9 +214,8 @@ class ParallelTower:
         start, stop = split.rows(graphs.rank)
         padding = pixel_values.new_zeros(split.slice_rows - (stop - start), *pixel_values.shape[1:])
         rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
-        with self._routing(graphs.compiled):
-            local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
+        local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
         unit, folds = rows_per_unit(self.interface.outputs)
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.count or 1)]
+        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
         return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.entry.decorator import encoder
+from vgraph_compile.entry.decorator import CompiledEncoderFunction
 from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
@@ -131,7 +131,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
     def _reset(self) -> None:
         """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
         config = replace(self.vgraph_config, window_offsets=traced_window_offsets(self.vgraph_config))
-        self.__dict__["compiled"] = encoder(TowerCall(self.tower, self.interface), config=config)
+        self.__dict__["compiled"] = self._encoder(config)
         self.__dict__["parameter"] = next(self.tower.parameters())
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.__dict__["sequence_graphs"] = None
@@ -139,6 +139,12 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         self.__dict__["replacement"] = None
         """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.grid_metadata.clear()
+
+    def _encoder(self, config: VGraphConfig) -> CompiledEncoderFunction:
+        """The tower's traced call compiled by vgraph; every trace of it, the first or a retrace for a call that
+        the first trace does not cover, sees the attention routed, whichever blocks the tower has."""
+        call = TowerCall(self.tower, self.interface)
+        return CompiledEncoderFunction(call, config, around_trace=lambda: routed_attention(self.tower))
 
     @property
     def runtimes(self):
@@ -232,7 +238,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         shape = (wide * side * side, *self.interface.pixel_shape)
         pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         try:
-            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), routed_attention(self.tower):
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
                 self._run(pixel_values, grid)
         except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
             if self.trace_refused is None or self.process_group is not None:
@@ -315,20 +321,15 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
             return [
                 pixel_values.new_empty(0, *field.width)
                 for field in self.interface.outputs
-                for _ in range(field.count or 1)
+                for _ in range(field.tensors)
             ]
         config = self.vgraph_config
         batches = pack(grid, config.budgets[-1], config.max_items, config.max_frames)
-        with self._routing():
-            if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
-                return list(self._run(pixel_values, tuple(grid)))
-            self.split_calls += 1
-            return self._split(pixel_values, grid, batches)
+        if len(batches) == 1 and not batches[0].eager:  # one graph call holds it all: keep the caller's order
+            return list(self._run(pixel_values, tuple(grid)))
+        self.split_calls += 1
+        return self._split(pixel_values, grid, batches)
 
-    def _routing(self, compiled=None) -> contextlib.AbstractContextManager:
-        """Attention routed through vgraph's op while a call may trace; the hot path needs no routing."""
-        traced = (compiled or self.compiled).traced
-        return contextlib.nullcontext() if traced else routed_attention(self.tower)
 
     def _split(self, pixel_values, grid, batches: list[Batch]) -> list[torch.Tensor]:
         """Each batch's flat outputs, put back per item in the caller's order. A window permutation (Qwen2.5-VL's)
@@ -347,7 +348,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         if len(parts) == 1 and list(parts[0][0]) == list(range(len(grid))):
             return list(parts[0][1])
         starts = row_starts(grid)
-        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.count or 1)]
+        per_row = [field.patches_per_row for field in self.interface.outputs for _ in range(field.tensors)]
         pieces: list[list[Any]] = [[None] * len(grid) for _ in per_row]
         for items, outputs in parts:
             offset = 0
@@ -362,10 +363,10 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         """The tower's own output object from the flat fields (a batched field gets its leading dim of 1 back)."""
         fields, position = {}, 0
         for field in self.interface.outputs:
-            values = flat[position : position + (field.count or 1)]
+            values = flat[position : position + field.tensors]
             values = [value[None] if field.batched else value for value in values]
             fields[field.name] = values[0] if field.count is None else values
-            position += field.count or 1
+            position += field.tensors
         return self.make_output(fields)
 
 

@@ -78,7 +78,25 @@ def _(q, k, v, cu_seqlens, max_seqlen, scale=None, backend="default", sequence_g
 VARLEN_ATTENTION = torch.ops.vgraph.varlen_attention
 """The op packet (graphs hold its ``.default`` overload)."""
 
-varlen_attention = _varlen_attention
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str = "default",
+    sequence_group: str = "",
+    sequence_ranks: int = 1,
+) -> torch.Tensor:
+    """``vgraph::varlen_attention`` (see ``_varlen_attention``), with a ``ValueError`` naming ``cu_seqlens`` when
+    it is no tensor (a Python list of offsets), in eager code and in a trace alike."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(
+            f"varlen_attention: cu_seqlens must be a 1-D int32 tensor of segment offsets, got a "
+            f"{type(cu_seqlens).__name__}; pass torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)"
+        )
+    return _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, backend, sequence_group, sequence_ranks)
 
 
 @torch.library.custom_op("vgraph::qkv_offsets_varlen_attention", mutates_args=())

@@ -21,7 +21,15 @@ import torch
 from vgraph_compile.sample_models.qwen_towers import REAL_SIZES
 
 __all__ = [
-    "Family", "vision_utils_families", "family", "build_tower", "declared_config", "shrunk", "tower_call", "TINY_SIZES"
+    "Family",
+    "vision_utils_families",
+    "family",
+    "build_tower",
+    "declared_config",
+    "released_config",
+    "shrunk",
+    "tower_call",
+    "TINY_SIZES",
 ]
 
 TINY_SIZES = dict(
@@ -142,18 +150,28 @@ def _tied_fields(defaults: dict, sizes: dict) -> dict:
     return tied
 
 
-def shrunk(defaults: dict, sizes: dict) -> dict:
+def shrunk(defaults: dict, sizes: dict, windowed_depth: int | None = 2) -> dict:
     """The fields of ``sizes`` that a config with these ``defaults`` has, with the same type (an int for an int;
     any for None), and the fields tied to them (``_tied_fields``). A config listing full-attention blocks among
-    window blocks (``fullatt_block_indexes``) keeps two layers: a window block, then a full-attention one."""
+    window blocks (``fullatt_block_indexes``) keeps ``windowed_depth`` layers (two: a window block, then a
+    full-attention one; None: the depth of ``sizes``)."""
     out = {
         key: value
         for key, value in sizes.items()
         if key in defaults and (defaults[key] is None or type(defaults[key]) is type(value))
     }
-    if "fullatt_block_indexes" in out:
-        out.update({key: 2 for key in ("depth", "num_hidden_layers", "num_layers") if key in out})
+    if "fullatt_block_indexes" in out and windowed_depth is not None:
+        out.update({key: windowed_depth for key in ("depth", "num_hidden_layers", "num_layers") if key in out})
     return {**out, **_tied_fields(defaults, out)}
+
+
+def released_config(name: str) -> dict:
+    """The family's released vision config as a dict (its class's defaults, or ``REAL_SIZES``)."""
+    spec = family(name)
+    released = next(
+        (sizes for *_, config_name, sizes in REAL_SIZES.values() if config_name == spec.config_class.__name__), {}
+    )
+    return spec.config_class(**released).to_dict()
 
 
 def build_tower(
@@ -172,7 +190,7 @@ def build_tower(
     released = next(
         (sizes for *_, config_name, sizes in REAL_SIZES.values() if config_name == spec.config_class.__name__), {}
     )
-    sizes = shrunk(spec.config_class(**released).to_dict(), TINY_SIZES) if tiny else dict(released)
+    sizes = shrunk(released_config(name), TINY_SIZES) if tiny else dict(released)
     torch.manual_seed(seed)
     config = spec.config_class(**{**sizes, **fields})
     tower = spec.tower_class._from_config(config, attn_implementation=attention)
