@@ -34,7 +34,7 @@ from vgraph_compile.analyze import ANALYSES, Analyses, analyze
 from vgraph_compile import warm_start
 from vgraph_compile.compile.build import assemble, build
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.serve.arguments import argument_rooted
 from vgraph_compile.serve.checks import CallChecks
 from vgraph_compile.serve.runtime import VGraphRuntime
@@ -150,7 +150,8 @@ class VGraphBackend:
             device=_device(example_inputs),
         )
         key = warm_start.graph_key(gm, ctx, self.analyses)
-        loaded = warm_start.load_graph(self.config, key) if key is not None else None
+        with startup_phases.phase("plan_load"):
+            loaded = warm_start.load_graph(self.config, key) if key is not None else None
         if loaded is not None:
             spec, record, compiled = loaded
             checks = CallChecks(spec, self.config, record.layout.copied)
@@ -159,7 +160,8 @@ class VGraphBackend:
             encoder = assemble(spec, record, compiled, state)
         else:
             try:
-                analyze(gm, ctx, self.analyses)
+                with startup_phases.phase("analyses"):
+                    analyze(gm, ctx, self.analyses)
             except StaticTokensError as error:
                 return self._static_trace(gm, str(error))
             checks = CallChecks.from_context(ctx)

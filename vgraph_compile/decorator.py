@@ -27,7 +27,7 @@ from torch.fx.experimental import _config as fx_config
 from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.compile_backend import VGraphBackend, cudnn_attention
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile import warm_start
@@ -124,11 +124,13 @@ class CompiledEncoderFunction:
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             if self._first_call:
                 self._first_call = False
-                result = self._warm_start(args, kwargs, key)
+                with startup_phases.phase("plan_load"):
+                    result = self._warm_start(args, kwargs, key)
                 if result is not NotImplemented:
                     return result
             try:
-                with trace_options(args):
+                tracing = startup_phases.phase("trace") if self._hot is None else contextlib.nullcontext()
+                with trace_options(args), tracing:
                     result = self._compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as failure:
                 if isinstance(failure.inner_exception, ValueError):

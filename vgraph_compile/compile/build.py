@@ -29,7 +29,7 @@ from vgraph_compile.compile import buckets as bucket_graphs
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.compile.inductor import CompiledFn, compile_once
 from vgraph_compile.compile.kernel_timing import choose_kernels
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, fold_scalars, rewrite, select_kernel
 from vgraph_compile.rewrite.align_matmuls import PADDED_SHAPE
 from vgraph_compile.fx_utils import example_value
@@ -128,7 +128,7 @@ class CompiledEncoder:
                 return
             if self.cudagraphs:
                 pool = torch.cuda.graph_pool_handle()
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), startup_phases.phase("captures"):
                     self.buckets = bucket_graphs.capture(self.buckets, self.compiled, self.roles, pool)
                 self.pool_bytes = bucket_graphs.pool_bytes(pool)
             self.captured = True
@@ -216,13 +216,15 @@ def build(gm: torch.fx.GraphModule, ctx: PassContext) -> CompiledEncoder:
     """Rewrite, compile once, bind and allocate; ``gm`` itself is left as traced."""
     cudagraphs = _cudagraphs(ctx)
     folded = fold_scalars.folded(gm, ctx)
-    ctx.kernels = choose_kernels(gm, ctx)
+    with startup_phases.phase("kernel_timing"):
+        ctx.kernels = choose_kernels(gm, ctx)
     eager = rewrite(copy.deepcopy(gm), ctx, REWRITES)
     compiled_graph = rewrite(copy.deepcopy(gm), ctx, REWRITES + COMPILE_REWRITES)
     prepared = tuple((name, str(device)) for name, device in select_kernel.kernels_used(compiled_graph))
     layout = _layout(compiled_graph, ctx)
     kernels = select_kernel.kernels_by_group(compiled_graph, ctx)
-    result = compile_once(compiled_graph, ctx)
+    with startup_phases.phase("compile"):
+        result = compile_once(compiled_graph, ctx)
     record = BuildRecord(
         eager=eager,
         layout=layout,

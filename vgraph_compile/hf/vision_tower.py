@@ -24,7 +24,9 @@ from typing import Any, Literal
 
 import torch
 
+from vgraph_compile.compile import artifacts
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import startup_phases
 from vgraph_compile.decorator import encoder
 from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
@@ -33,11 +35,11 @@ from vgraph_compile.hf.outputs import OutputFactory
 from vgraph_compile.hf.packed_tower import (
     PackedTower,
     grid_argument,
-    learn_packed_tower,
     metadata_leaves,
     rows_per_unit,
 )
 from vgraph_compile.hf.stand_in import TowerStandIn
+from vgraph_compile.hf.tower_interfaces import tower_interface
 from vgraph_compile.hf.packing import Batch, pack
 
 __all__ = ["CompiledVisionTower", "TowerCall", "compile_packed_tower", "is_packed_tower"]
@@ -547,7 +549,8 @@ def compile_packed_tower(
             "(grid_thw, image_grid_thw...) of packed variable-size images. Pass the vision tower of a transformers "
             "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
         )
-    interface = learn_packed_tower(tower)
+    with startup_phases.phase("interface"):
+        interface = tower_interface(tower, artifacts.configured_dir(options.get("artifact_dir")))
     log.info("%s: grid metadata %s", type(tower).__name__, interface.metadata.describe())
     config = VGraphConfig(
         token_budgets=tuple(token_budgets) if token_budgets is not None else None,

@@ -36,7 +36,7 @@ import torch
 from vgraph_compile.compile.build import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.compile.call_costs import CallCosts, measure_call_costs
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve.checks import CallChecks, CallPlan
 from vgraph_compile.serve.split import Splitter, can_split
@@ -132,15 +132,20 @@ class VGraphRuntime:
             return False
         self.encoder.warmup()
         if self.config.call_choice == "measured" and self.buckets:
-            self.costs = measure_call_costs(
-                self.buckets,
-                lambda bucket: bucket.run(self.encoder.compiled),
-                self.encoder.eager,
-                self.spec,
-                self.encoder.roles,
-                self.device,
-            )
+            with startup_phases.phase("call_costs"):
+                self.costs = self._measured_costs()
         return True
+
+    def _measured_costs(self) -> CallCosts:
+        """The cost table of this runtime's buckets, measured now."""
+        return measure_call_costs(
+            self.buckets,
+            lambda bucket: bucket.run(self.encoder.compiled),
+            self.encoder.eager,
+            self.spec,
+            self.encoder.roles,
+            self.device,
+        )
 
     # -- per call ----------------------------------------------------------------------------------------------
 
