@@ -21,11 +21,13 @@ video's reason: the tower is served on images only, and a grid with t > 1 is ref
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import math
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -102,6 +104,10 @@ class PackedTower:
     def pixel_values_shape(self, patches: int) -> tuple[int, ...]:
         """The shape of the tower's pixel_values for ``patches`` patch rows (its leading dim of 1 included)."""
         return ((1,) if self.batched else ()) + (patches, *self.pixel_shape)
+
+    def bound(self, tower: torch.nn.Module | None) -> "PackedTower":
+        """This interface, its metadata plan reading ``tower``'s config (None: unbound, as it is saved)."""
+        return dataclasses.replace(self, metadata=self.metadata.bound(getattr(tower, "config", None)))
 
     def grid_table(self, grid_thw: torch.Tensor, rows: int) -> torch.Tensor:
         """The grid as a ``grid_traced`` tower's traced call takes it (``grid_table``)."""
@@ -349,6 +355,21 @@ def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_outpu
     return _Verified(type(expected), tuple(outputs), relations, grid_traced)
 
 
+PROBE_THREADS = 2
+"""Intra-op threads of the probe forwards at most: their tensors are small, and processes that start together
+(data-parallel ranks, replicas) must not oversubscribe the host's cores with them."""
+
+
+@contextlib.contextmanager
+def _probe_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, PROBE_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     """The tower's interface (see the module docstring); ``TowerRefused`` (a ``ValueError``) naming the reason when
     it cannot be served.
@@ -378,13 +399,14 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     probe = shrunk_tower(tower)
     if probe is None:
         probe = tower
-    with torch.no_grad(), routed_attention(probe):
+    with torch.no_grad(), routed_attention(probe), _probe_threads():
         layout, plan, first_output = _record(probe, first)
         try:
             verified = _verify(probe, layout, plan, first, first_output, video)
         except TowerRefused as refusal:
             video_failure = str(refusal).split(": ", 1)[1]
             verified = _verify(probe, layout, plan, first, first_output, images)
+    plan = plan.bound(tower.config)
     geometry = _geometry(tower, plan)
     return PackedTower(
         name, geometry, layout.shape, plan, verified.metadata_patches_per_row, verified.output_class,

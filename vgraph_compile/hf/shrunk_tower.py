@@ -8,7 +8,9 @@ from a tower built fresh from the same class and a copy of the config, shrunk in
   depth) becomes one block, and those fields are renumbered to match. Qwen2.5-VL-7B's 32 blocks with full
   attention at 7, 15, 23 and 31 become 8 (full attention at 1, 3, 5, 7); Qwen3-VL-8B's 27 with deepstack taps at
   8, 16 and 24 become 7. Each kind of block, and each tap, is still there, in the same order;
-- every width is kept: the interface records the output fields' widths and the pixel row's shape.
+- the blocks' MLP width (``intermediate_size``) is cut to ``MLP_WIDTH``: no output, pixel row or metadata of
+  the interface has that width, and the MLP holds most of a block's weights and work;
+- every other width is kept: the interface records the output fields' widths and the pixel row's shape.
 
 It is built on the host, in the tower's dtype, with initialization skipped (random initialization of a few hundred million
 weights would take seconds) and every parameter filled with one fixed pseudo-random sequence, scaled by its fan-in
@@ -19,7 +21,7 @@ their grid per frame on a video), where on a GPU it would be a device-side asser
 context. The user's tower is never moved, copied or called.
 
 Invariant: the shrunk tower is of the tower's own class, with a config that differs from the tower's only in its
-depth field and the layer-index fields renumbered to it.
+depth field, the layer-index fields renumbered to it, and its MLP width.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 DEPTH_FIELDS = ("depth", "num_hidden_layers", "num_layers")
 """Config fields that hold a tower's number of blocks, as the families spell them."""
+MLP_WIDTH_FIELDS = ("intermediate_size",)
+"""Config fields that hold the width inside a block's MLP."""
+MLP_WIDTH = 16
 _INDEX_WORDS = ("index", "indices", "layer")
 _PERIOD = 65_537
 """Length of the pseudo-random sequence the parameters repeat: a prime, so no two rows of a weight agree."""
@@ -58,9 +63,12 @@ def _layer_indexes(config: Any, depth_field: str, depth: int) -> dict[str, list[
 
 
 def shrunk_config(config: Any) -> Any:
-    """A copy of ``config`` with its depth shrunk as the module docstring says (the copy unshrunk when it has no
-    depth field, or a layer-index field the renumbering cannot read)."""
+    """A copy of ``config`` with its MLP width and depth shrunk as the module docstring says (its depth kept when
+    it has no depth field, or a layer-index field the renumbering cannot read)."""
     shrunk = copy.deepcopy(config)
+    for name in MLP_WIDTH_FIELDS:
+        if type(getattr(config, name, None)) is int:
+            setattr(shrunk, name, min(getattr(config, name), MLP_WIDTH))
     depth_field = next((name for name in DEPTH_FIELDS if type(getattr(config, name, None)) is int), None)
     if depth_field is None:
         return shrunk

@@ -7,7 +7,8 @@ warm start thus runs no probe forward (``counters.probe_forwards`` does not move
 Key: what the interface depends on, and nothing else (never the weights, the device or the dtype: the probe runs
 a shrunk tower of the same class and config on the host): the class of every module in the tower and the source
 file each is defined in, the config (all of it, as ``to_dict`` gives it), and the transformers, torch and vgraph
-versions (vgraph's: the hash of its sources). A file saved under the key that is of another kind, or corrupt
+versions (vgraph's: the hash of its sources). The entry holds no config: a loaded interface reads the tower's
+own (``PackedTower.bound``). A file saved under the key that is of another kind, or corrupt
 (its bytes do not match its record, or it cannot be unpickled), is logged, removed and learned again, as build
 plans are (``compile/artifacts``). A tower of another config has another key, so its interface is learned again.
 """
@@ -71,7 +72,7 @@ def tower_interface(tower: torch.nn.Module, directory: Path | None) -> PackedTow
     if saved is not None:
         counters.interfaces_loaded += 1
         log.info("vgraph: %s: interface loaded from %s (no probe)", type(tower).__name__, directory)
-        return saved
+        return saved.bound(tower)
     interface = learn_packed_tower(tower)
-    artifacts.save_plan(directory, key, interface)
+    artifacts.save_plan(directory, key, interface.bound(None))
     return interface
