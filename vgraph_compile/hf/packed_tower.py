@@ -370,13 +370,14 @@ def _probe_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
+def learn_packed_tower(tower: torch.nn.Module, probe: torch.nn.Module | None = None) -> PackedTower:
     """The tower's interface (see the module docstring); ``TowerRefused`` (a ``ValueError``) naming the reason when
     it cannot be served.
 
     The forwards run on a shrunk tower of the same class and config, on the host (``shrunk_tower``): the tower
     itself is never moved, copied or called (only when its class cannot be built from its config alone is it
-    probed itself, where it is). Each forward is counted (``counters.probe_forwards``).
+    probed itself, where it is). ``probe``: the module the forwards run on instead (the tower itself, say).
+    Each forward is counted (``counters.probe_forwards``).
 
     The plan is verified on a video and a one-merge-unit image; when that fails (the stock tower itself fails on
     more than one frame, or its rows do not scale with frames), on two images, and the tower serves images only,
@@ -396,7 +397,8 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     video = [(2, 2 * merge, 4 * merge), (1, merge, merge)]
     images = [(1, 2 * merge, 4 * merge), (1, merge, merge)]
     video_failure = None
-    probe = shrunk_tower(tower)
+    if probe is None:
+        probe = shrunk_tower(tower)
     if probe is None:
         probe = tower
     with torch.no_grad(), routed_attention(probe), _probe_threads():
