@@ -51,6 +51,8 @@ import time
 import torch
 
 PACKED = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+TINY_OPTIONS = {"packed": {"token_budgets": [256, 1024]}, "tiled": {"max_items": 8}}
+"""With ``--tiny``: few small buckets, so the harness runs on the CPU in minutes (``--options`` overrides)."""
 TILED = ("internvit-448",)
 """Fixed-tile towers (``hf_tiles.build_tower``'s names)."""
 
@@ -132,6 +134,8 @@ def one_start(
         torch.cuda.reset_peak_memory_stats()
         if memory:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    if tiny:
+        options = {**TINY_OPTIONS["tiled" if tower_kind in TILED else "packed"], **options}
     _wait_for_all(*(barrier or (None, 0, 0)))
     start = time.perf_counter()
     with torch.inference_mode():

@@ -128,9 +128,13 @@ def shrunk_tower(tower: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _initialization_skipped():
-    """transformers' ``no_init_weights`` (torch's and the model's own initializers do nothing), when it has it."""
+    """transformers' ``no_init_weights`` (torch's and the model's own initializers do nothing), where this
+    transformers has it (``transformers.initialization``, earlier ``transformers.modeling_utils``)."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:
-        return contextlib.nullcontext()
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            return contextlib.nullcontext()
     return no_init_weights()
