@@ -97,14 +97,18 @@ def fill_parameters(module: torch.nn.Module) -> None:
     sequence = torch.rand(_PERIOD, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         for offset, parameter in enumerate(module.parameters()):
-            if not parameter.is_floating_point():
+            if not parameter.is_floating_point() or not parameter.numel():
                 continue
-            flat = parameter.view(-1)
+            contiguous = parameter.is_contiguous()
+            target = parameter if contiguous else torch.empty(parameter.shape, dtype=parameter.dtype)
+            flat = target.view(-1)
             scale = 1.0 if parameter.dim() < 2 else (flat.numel() // parameter.shape[0]) ** -0.5
             pattern = torch.roll(sequence, offset).to(parameter.dtype) * scale
             whole = flat.numel() // _PERIOD
             flat[: whole * _PERIOD].view(whole, _PERIOD).copy_(pattern.expand(whole, _PERIOD))
             flat[whole * _PERIOD :].copy_(pattern[: flat.numel() - whole * _PERIOD])
+            if not contiguous:
+                parameter.copy_(target)
 
 
 def shrunk_tower(tower: torch.nn.Module) -> torch.nn.Module | None:
