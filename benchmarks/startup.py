@@ -1,29 +1,39 @@
-"""Start-up of real-size Qwen vision towers (random weights, bf16): cold and warm start, memory, host time per call.
+"""Start-up of real-size vision towers (random weights, bf16), cold and warm, one process or several at once: where
+each second goes, memory, host time per call.
 
-Per tower, two fresh processes on one cache directory (inductor's cache, the kernel timings and vgraph's saved
-artifacts all live under it): the first on an empty directory (cold), the second on what the first left (warm).
-Each times ``compile_vision_tower`` through its first call with every bucket captured, split into phases (the
-library functions of each phase timed where they are called):
-- analyses: ``analyze`` (sites, roles, bounds);
-- kernel_timing: ``choose_kernels`` (``attention_backend="auto"``);
-- compile: ``compile_once`` (inductor's compile, or the load of a saved artifact);
-- plan_load: ``warm_start.load`` (a saved build plan and its compiled artifact: no trace, no compile);
-- capture: ``capture`` (every bucket's CUDA graph);
-- trace: the rest (dynamo's trace, rewrites, buffer allocation, learning the tower's interface, its own Python).
+Towers: the Qwen2.5-VL-7B and Qwen3-VL-8B packed towers, and InternViT-300M (InternVL3, 448 px tiles) as the
+fixed-tile tower (``--tiny``: each at toy sizes, for the CPU). Per tower and per process count N (``--processes``,
+default 1 2), N fresh processes start at once on one new cache directory (inductor's cache, kernel timings and
+vgraph's saved artifacts, plans and tower interfaces all live under it), as data-parallel ranks or replicas do:
+first on the empty directory (cold), then N more on what they left (warm). Process i runs on GPU i mod ``--gpus``
+(default 1: all N on one GPU, 8 processes simulated on one card). Each process times, from the tower built (on its
+device) to its first served call:
 
-Then peak memory (allocated and reserved, after warm-up and the two host cases), the tower's weights, the graph
-pool, host time per call (call to return, GPU idle before each) and the median time of a whole call (``call_ms``) of
-1x224^2 and 1x1344^2. ``--options`` passes vgraph options (JSON) to ``compile_vision_tower``. With ``--profile``,
-the warm process also profiles each case's host path (cProfile over 200 calls, GPU idle before each) and reports
-the functions that take the most host time per call. With ``--memory``, a third process starts warm with the
-allocator's history recorded and reports where its peak went (``bench.memory``: the live allocations at the peak by
-the code that made them, and the graphs' private pools), so the timed starts run without the recording.
+- ``start_s``: ``compile_vision_tower`` and ``warmup()`` (a tile tower: its first call, which traces and captures);
+- ``first_replay_s``: the first call after that (a 1x224^2 image, or one tile), served from the captured graphs;
+- ``to_first_call_s``: the two together: model on the device to the first served call;
+- ``phases_s``: where ``start_s`` went, from the library's own record (``vgraph_compile.counters.PHASES``):
+  ``interface`` (learned on a shrunk tower, or loaded), ``plan_load``, ``trace`` (dynamo and the rest of the
+  build), the pipeline's stages ``analyze``, ``check_call``, ``rewrite`` (with ``kernel_timing`` apart),
+  ``compile`` (inductor, or its artifact loaded) and ``assemble``, ``captures``, ``call_costs``, and ``other`` (what no phase holds: the metadata of the warm-up grid, Python around it).
 
-With ``--host-only``, one process per tower on its cache directory (which may exist: a second run serves from
-the saved build plan) measures the host time per call alone, with no start-up phases, plus the host time of a
-bare ``replay()`` of the bucket that serves each case (``replay_us``), and its device time (``device_ms``).
+Per N the report gives each process's record and ``max_to_first_call_s`` (the slowest process) with its ratio to one
+process alone (``slowdown_vs_one``). With one process (N = 1) each start also reports peak memory (allocated and
+reserved), the weights, the graph pool, host time per call (call to return, GPU idle before each) and the median
+time of a whole call (``call_ms``) of 1x224^2 and 1x1344^2 (one and eight tiles). ``--options`` passes vgraph
+options (JSON). With ``--profile``, each warm single process also profiles each case's host path (cProfile over 200
+calls). With ``--memory``, a further warm single process records the allocator's history and reports where its peak
+went (``bench.memory``), so the timed starts run without the recording.
 
-    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/startup --json PATH [--options JSON] [--profile] [--memory]
+With ``--host-only``, one process per packed tower on its cache directory (which may exist: a second run serves
+from the saved build plan) measures the host time per call alone, plus the host time of a bare ``replay()`` of
+the bucket that serves each case (``replay_us``), and its device time (``device_ms``).
+
+Writes ``benchmarks/results/startup_<device>.json`` (``--json`` to choose), after each tower.
+
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl internvit-448 --cache-dir /tmp/startup --processes 1 2 8
+    python benchmarks/startup.py qwen2.5-vl --cache-dir /tmp/startup --processes 2 --gpus 2   # one GPU each
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl internvit-448 --cache-dir /tmp/s --tiny --json /tmp/s.json
     python benchmarks/startup.py qwen2-vl --cache-dir /tmp/startup --host-only --json PATH [--profile]
 """
 
@@ -31,32 +41,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
-import pstats
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
 
 import torch
 
-
-def _timed(module, name: str, phases: dict[str, float], phase: str) -> None:
-    """Replace ``module.name`` by a wrapper that adds its wall time (device synchronized) to ``phases[phase]``."""
-    original = getattr(module, name)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
-
-    setattr(module, name, wrapper)
+PACKED = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+TINY_OPTIONS = {"packed": {"token_budgets": [256, 1024]}, "tiled": {"max_items": 8}}
+"""With ``--tiny``: few small buckets, so the harness runs on the CPU in minutes (``--options`` overrides)."""
+TILED = ("internvit-448",)
+"""Fixed-tile towers (``hf_tiles.build_tower``'s names)."""
 
 
 def _profile(fn, calls: int, device: str) -> list[str]:
@@ -76,71 +74,117 @@ def _profile(fn, calls: int, device: str) -> list[str]:
     ]
 
 
-def one_start(tower_kind: str, resize: dict, options: dict, profile: bool = False, memory: bool = False) -> dict:
-    """One process's start of ``tower_kind``: total and phases, memory, host time per call; ``memory``: with the
-    allocator's history recorded, and where its peak went."""
-    import vgraph_compile.compile.buckets as buckets
-    import vgraph_compile.entry.warm_start as warm_start
-    import vgraph_compile.pipeline as pipeline
-    import vgraph_compile.rewrite.kernel_choice as kernel_choice
+def _build(kind: str, tiny: bool, resize: dict, device: str) -> torch.nn.Module:
+    """The ``kind`` tower with random weights in bf16 on ``device`` (toy sizes with ``tiny``; ``resize``: config
+    fields of a packed tower)."""
+    if kind in TILED:
+        from hf_tiles import build_tower
+
+        return build_tower(kind, tiny, torch.bfloat16, device)
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
+
+    return qwen_tower(kind, device=device, dtype=torch.bfloat16, **{**(TOY_SIZES[kind] if tiny else {}), **resize})
+
+
+def _cases(model: torch.nn.Module, kind: str, tiny: bool, device: str) -> dict[str, tuple]:
+    """The timed calls' arguments: 1x224^2 and 1x1344^2 images, or one and eight tiles (``tiny``: the first only)."""
+    if kind in TILED:
+        size = model.config.image_size
+        size = size if isinstance(size, int) else size[0]
+        cases = {f"{n} tile": (torch.randn(n, 3, size, size, device=device, dtype=torch.bfloat16),) for n in (1, 8)}
+    else:
+        cases = {case: _case_input(model.config, case, device) for case in ("1x224^2", "1x1344^2")}
+    return dict(list(cases.items())[:1]) if tiny else cases
+
+
+def _wait_for_all(barrier: str | None, rank: int, ranks: int) -> None:
+    """Mark this process ready in ``barrier`` (a directory) and wait until all ``ranks`` are: the timed starts of
+    the processes begin together, whatever their imports and model builds took."""
+    if barrier is None:
+        return
+    open(os.path.join(barrier, f"ready.{rank}"), "w").close()
+    while len([name for name in os.listdir(barrier) if name.startswith("ready.")]) < ranks:
+        time.sleep(0.01)
+
+
+def one_start(
+    tower_kind: str,
+    tiny: bool,
+    resize: dict,
+    options: dict,
+    alone: bool,
+    profile: bool = False,
+    memory: bool = False,
+    barrier: tuple[str, int, int] | None = None,
+) -> dict:
+    """One process's start of ``tower_kind``, from the tower on its device to its first served call: total, phases
+    and the first replay; ``alone`` (no other process started with it): memory and host time per call too;
+    ``memory``: with the allocator's history recorded, and where its peak went."""
     from vgraph_compile.bench.memory import GIB, peak_breakdown
-    from vgraph_compile.bench.timing import host_ms_per_call, median_ms
+    from vgraph_compile.bench.timing import host_ms_per_call, median_ms, synchronize
     from vgraph_compile.compile.buckets import pool_bytes
-    from vgraph_compile.counters import counters
+    from vgraph_compile.counters import counters, startup_phases
     from vgraph_compile.hf import compile_vision_tower
-    from vgraph_compile.sample_models.qwen_towers import qwen_tower
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    phases: dict[str, float] = {}
-    _timed(pipeline, "analyze", phases, "analyses")
-    _timed(kernel_choice, "choose_kernels", phases, "kernel_timing")
-    _timed(pipeline, "compile_once", phases, "compile")
-    _timed(buckets, "capture", phases, "capture")
-    _timed(warm_start, "load", phases, "plan_load")
-    model = qwen_tower(tower_kind, device=device, dtype=torch.bfloat16, **resize)
-    config = model.config
+    model = _build(tower_kind, tiny, resize, device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cases = _cases(model, tower_kind, tiny, device)
+    first_case = next(iter(cases.values()))
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         if memory:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    if tiny:
+        options = {**TINY_OPTIONS["tiled" if tower_kind in TILED else "packed"], **options}
+    _wait_for_all(*(barrier or (None, 0, 0)))
     start = time.perf_counter()
-    tower = compile_vision_tower(model, max_items=8, max_frames=16, **options)
     with torch.inference_mode():
-        tower.warmup()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    phases["trace"] = total - sum(phases.values())
-
-    host_ms, call_ms, profiles = {}, {}, {}
+        if tower_kind in TILED:
+            tower = compile_vision_tower(model, **options)
+            tower(*first_case)  # a tile tower traces and captures at its first call
+        else:
+            tower = compile_vision_tower(model, max_items=8, max_frames=16, **options)
+            tower.warmup()
+    synchronize(device)
+    started = time.perf_counter()
     with torch.inference_mode():
-        for case in ("1x224^2", "1x1344^2"):
-            x, grid_thw = _case_input(config, case, device)
-            host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
-            host_ms[case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
-            call_ms[case] = round(median_ms(lambda: tower(x, grid_thw), 20, 3, device), 3)
-            if profile:
-                profiles[case] = _profile(lambda: tower(x, grid_thw), 200, device)
+        tower(*first_case)
+    synchronize(device)
+    served = time.perf_counter()
+    phases = startup_phases.snapshot()
+    phases["other"] = started - start - sum(phases.values())
     report = {
-        "start_s": round(total, 2),
-        "phases_s": {name: round(seconds, 2) for name, seconds in phases.items()},
+        "start_s": round(started - start, 3),
+        "first_replay_s": round(served - started, 4),
+        "to_first_call_s": round(served - start, 3),
+        "phases_s": {name: round(seconds, 3) for name, seconds in phases.items()},
         "weights_gib": round(weights / GIB, 3),
-        "host_ms": host_ms,
-        "call_ms": call_ms,
         "counters": {name: value for name, value in counters.snapshot().items() if value},
     }
-    if profiles:
-        report["host_profile"] = profiles
     if device == "cuda":
         report |= {
             "device": torch.cuda.get_device_name(),
             "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
             "pool_gib": round(pool_bytes() / GIB, 3),
-            "allocated_after_gib": round(torch.cuda.memory_allocated() / GIB, 3),
         }
+    if not alone:
+        return report
+    host_ms, call_ms, profiles = {}, {}, {}
+    with torch.inference_mode():
+        for case, arguments in cases.items():
+            host_ms_per_call(lambda: tower(*arguments), 10, device)
+            host_ms[case] = round(host_ms_per_call(lambda: tower(*arguments), 100, device), 3)
+            call_ms[case] = round(median_ms(lambda: tower(*arguments), 20, 3, device), 3)
+            if profile:
+                profiles[case] = _profile(lambda: tower(*arguments), 200, device)
+    report |= {"host_ms": host_ms, "call_ms": call_ms}
+    if profiles:
+        report["host_profile"] = profiles
+    if device == "cuda":
+        report["allocated_after_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
         if memory:
             report["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -193,15 +237,66 @@ def host_only(tower_kind: str, resize: dict, profile: bool = False) -> dict:
     return report
 
 
+def _start_together(args, kind: str, directory: str, processes: int, start: str) -> list[dict]:
+    """``processes`` fresh processes of ``kind`` started at once on ``directory``; their reports, in rank order."""
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": directory}
+    environment.pop("VGRAPH_ARTIFACT_DIR", None)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(index) for index in range(args.gpus)]
+    barrier = os.path.join(directory, f"barrier_{start}")
+    os.makedirs(barrier)
+    children = []
+    for rank in range(processes):
+        command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
+        command += ["--options", args.options, "--barrier", barrier, str(rank), str(processes)]
+        command += ["--tiny"] if args.tiny else []
+        command += ["--profile"] if args.profile and start == "warm" and processes == 1 else []
+        command += ["--memory"] if start == "memory" else []
+        gpu = {"CUDA_VISIBLE_DEVICES": gpus[rank % len(gpus)]}
+        output = [open(os.path.join(barrier, f"{stream}.{rank}"), "w+") for stream in ("stdout", "stderr")]
+        child = subprocess.Popen(command, stdout=output[0], stderr=output[1], text=True, env={**environment, **gpu})
+        children.append((child, output))
+    reports = []
+    for rank, (child, (stdout, stderr)) in enumerate(children):
+        child.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        if child.returncode != 0:
+            raise SystemExit(f"{kind}: {start} start of process {rank} of {processes} failed:\n{stderr.read()[-4000:]}")
+        reports.append(json.loads(stdout.read().strip().splitlines()[-1]))
+    return reports
+
+
+def _summary(reports: list[dict]) -> dict:
+    slowest = max(reports, key=lambda report: report["to_first_call_s"])
+    return {
+        "max_to_first_call_s": slowest["to_first_call_s"],
+        "max_start_s": max(report["start_s"] for report in reports),
+        "slowest_phases_s": slowest["phases_s"],
+        "processes": reports,
+    }
+
+
+def _device_tag(name: str | None) -> str:
+    """``h100``, ``h200``... from a CUDA device name; ``cpu`` without one."""
+    if not name:
+        return "cpu"
+    return next((word.lower() for word in name.split() if word[:1].isalpha() and word[1:].isdigit()), "cuda")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("towers", nargs="+", choices=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
-    parser.add_argument("--cache-dir", required=True, help="a directory per tower is made under it (must be new)")
-    parser.add_argument("--resize", default="{}", help="config fields as JSON, for a small dry run")
+    parser.add_argument("towers", nargs="+", choices=[*PACKED, *TILED])
+    parser.add_argument("--cache-dir", required=True, help="a directory per tower and process count is made under it")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="processes started at once")
+    parser.add_argument("--gpus", type=int, default=1, help="process i runs on GPU i mod this")
+    parser.add_argument("--tiny", action="store_true", help="toy-size towers (the harness on the CPU)")
+    parser.add_argument("--resize", default="{}", help="config fields of a packed tower, as JSON")
     parser.add_argument("--options", default="{}", help="vgraph options as JSON, for compile_vision_tower")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--barrier", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
-    parser.add_argument("--memory", action="store_true", help="a third, warm process: where its peak memory went")
+    parser.add_argument("--memory", action="store_true", help="a further warm process: where its peak memory went")
     parser.add_argument("--host-only", action="store_true", help="host time per call only, one process per tower")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -209,11 +304,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.one:
         if args.host_only:
             print(json.dumps(host_only(args.towers[0], resize, args.profile)))
-        else:
-            options = json.loads(args.options)
-            print(json.dumps(one_start(args.towers[0], resize, options, args.profile, args.memory)))
+            return {}
+        directory, rank, ranks = args.barrier
+        alone = int(ranks) == 1
+        report = one_start(args.towers[0], args.tiny, resize, json.loads(args.options), alone, args.profile,
+                           args.memory, (directory, int(rank), int(ranks)))  # fmt: skip
+        print(json.dumps(report))
         return {}
-    report = {"torch": torch.__version__, "options": json.loads(args.options), "towers": {}}
+    report = {"torch": torch.__version__, "options": json.loads(args.options), "tiny": args.tiny, "towers": {}}
+    path = args.json
     if args.host_only:
         for kind in args.towers:
             environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.cache_dir, kind)}
@@ -225,43 +324,32 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"{kind}: the run failed:\n{child.stderr[-4000:]}")
             report["towers"][kind] = json.loads(child.stdout.strip().splitlines()[-1])
             print(json.dumps({kind: report["towers"][kind]}), flush=True)
-            if args.json:
-                with open(args.json, "w") as file:
+            if path:
+                with open(path, "w") as file:
                     json.dump(report, file, indent=1)
         return report
     for kind in args.towers:
-        directory = os.path.join(args.cache_dir, kind)
-        if os.path.exists(directory):
-            raise SystemExit(f"{directory} exists: the cold start needs an empty cache directory")
-        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": directory}
-        environment.pop("VGRAPH_ARTIFACT_DIR", None)
-        starts = []
-        for start in ("cold", "warm", "memory") if args.memory else ("cold", "warm"):
-            command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
-            command += ["--options", args.options]
-            command += {"warm": ["--profile"] if args.profile else [], "memory": ["--memory"]}.get(start, [])
-            child = subprocess.run(command, capture_output=True, text=True, env=environment)
-            if child.returncode != 0:
-                raise SystemExit(f"{kind}: the start failed:\n{child.stderr[-4000:]}")
-            starts.append(json.loads(child.stdout.strip().splitlines()[-1]))
-        cold, warm = starts[:2]
-        report["towers"][kind] = {
-            "cold_s": cold["start_s"],
-            "warm_s": warm["start_s"],
-            "phases": {"cold": cold["phases_s"], "warm": warm["phases_s"]},
-            "weights_gib": cold["weights_gib"],
-            **{key: cold[key] for key in ("device", "peak_allocated_gib", "peak_reserved_gib", "pool_gib") if key in cold},
-            "peak_warm_allocated_gib": warm.get("peak_allocated_gib"),
-            "host_ms": warm["host_ms"],
-            "allocated_after_gib": cold.get("allocated_after_gib"),
-            "call_ms": {"cold": cold["call_ms"], "warm": warm["call_ms"]},
-            "counters": {"cold": cold["counters"], "warm": warm["counters"]},
-            **({"peak_breakdown": starts[2].get("peak_breakdown")} if args.memory else {}),
-            **({"host_profile": warm["host_profile"]} if "host_profile" in warm else {}),
-        }
-        print(json.dumps({kind: report["towers"][kind]}), flush=True)
-        if args.json:  # after each tower, so a run cut short keeps the towers done
-            with open(args.json, "w") as file:
+        rows = report["towers"][kind] = {}
+        for processes in args.processes:
+            directory = os.path.join(args.cache_dir, kind, f"n{processes}")
+            if os.path.exists(directory):
+                raise SystemExit(f"{directory} exists: the cold start needs an empty cache directory")
+            os.makedirs(directory)
+            starts = ("cold", "warm", "memory") if args.memory and processes == 1 else ("cold", "warm")
+            row = {start: _summary(_start_together(args, kind, directory, processes, start)) for start in starts}
+            alone = rows.get("1")
+            for start in ("cold", "warm"):
+                if alone is not None:
+                    row[start]["slowdown_vs_one"] = round(
+                        row[start]["max_to_first_call_s"] / alone[start]["max_to_first_call_s"], 2
+                    )
+            rows[str(processes)] = row
+            print(json.dumps({kind: {processes: {start: {key: value for key, value in row[start].items()
+                                                         if key != "processes"} for start in row}}}), flush=True)  # fmt: skip
+            device = row["cold"]["processes"][0].get("device")
+            report.setdefault("device", device or "cpu")
+            path = args.json or os.path.join(os.path.dirname(__file__), "results", f"startup_{_device_tag(device)}.json")
+            with open(path, "w") as file:  # after each row, so a run cut short keeps the rows done
                 json.dump(report, file, indent=1)
     return report
 

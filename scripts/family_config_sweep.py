@@ -23,7 +23,7 @@ from hypothesis.errors import UnsatisfiedAssumption  # noqa: E402
 
 from tests.hf.family_configs import check_served, tower_sizes  # noqa: E402
 from tests.hf.test_families import REFUSED  # noqa: E402
-from vgraph_compile.models.hf_families import vision_utils_families  # noqa: E402
+from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families  # noqa: E402
 
 
 def sweep(name: str, configs: int, seed: int) -> dict:

@@ -1,8 +1,11 @@
-"""``counters.expect``: exactly the named counters move, by exactly the named amounts."""
+"""``counters.expect``: exactly the named counters move, by exactly the named amounts; the start-up phase record:
+each phase holds its own wall time, exclusive of the phases nested in it."""
+
+import time
 
 import pytest
 
-from vgraph_compile.counters import Counters
+from vgraph_compile.counters import Counters, StartupPhases
 
 
 def test_expect_passes_when_exactly_the_named_counters_move_by_their_amounts():
@@ -34,3 +37,32 @@ def test_a_snapshot_is_a_copy():
     snapshot = counters.snapshot()
     counters.traces += 1
     assert snapshot["traces"] == 0 and counters.snapshot()["traces"] == 1
+
+
+def test_a_nested_phase_is_counted_under_its_own_name_only():
+    """The trace holds a compile: the two phases add up to the wall time of the whole, and the compile's sleep is
+    not counted in the trace too."""
+    phases = StartupPhases()
+    start = time.perf_counter()
+    with phases.phase("trace"):
+        time.sleep(0.02)
+        with phases.phase("compile"):
+            time.sleep(0.05)
+    whole = time.perf_counter() - start
+    seconds = phases.snapshot()
+    assert seconds["compile"] >= 0.05 and seconds["trace"] >= 0.02
+    assert seconds["trace"] + seconds["compile"] == pytest.approx(whole, abs=0.01)
+
+
+def test_a_phase_repeated_adds_up():
+    phases = StartupPhases()
+    for _ in range(2):
+        with phases.phase("captures"):
+            time.sleep(0.01)
+    assert phases.snapshot()["captures"] >= 0.02
+
+
+def test_an_unknown_phase_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown start-up phase 'tracing': one of \['analyze'"):
+        with StartupPhases().phase("tracing"):
+            pass

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 import vgraph_compile
 from tests.conftest import report
-from vgraph_compile.compile_backend import vgraph_backend
+from vgraph_compile.entry.backend import vgraph_backend
 from vgraph_compile.counters import counters
 from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.kernels.ops import varlen_attention
-from vgraph_compile.models.examples import windowed_inputs
+from vgraph_compile.sample_models.explain_factories import windowed_inputs
 
 GEOMETRY = VisionGeometry(patch_size=14, temporal_patch_size=1, window_size=56)
 """Windows of 2 x 2 merged tokens (16 patches)."""

@@ -1,17 +1,25 @@
-"""Process-wide event counters of the vgraph backend, for tests and logs.
+"""Process-wide event counters of the vgraph backend, and the wall time of each start-up phase, for tests, logs
+and benchmarks.
 
 ``counters.expect(**deltas)`` checks, in a ``with`` block, that exactly those counters moved by exactly that much
-(counters not named must not move).
+(counters not named must not move). ``startup_phases.seconds`` holds, per phase (``PHASES``), the wall seconds
+spent in it in this process, exclusive of the phases nested in it (the trace holds the analyses, the compile and
+the captures, which are counted under their own names only); the device is synchronized at each phase's end, so
+the GPU work a phase queued is counted in it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["Counters", "counters"]
+import torch
+
+__all__ = ["PHASES", "Counters", "StartupPhases", "counters", "startup_phases"]
 
 
 @dataclass
@@ -36,6 +44,10 @@ class Counters:
     """Build plans saved for later processes (``entry/warm_start``)."""
     plans_loaded: int = 0
     """Encoders served from a saved build plan: no trace, no analyses, no compile."""
+    probe_forwards: int = 0
+    """Eager forwards run to learn a packed tower's interface (``hf/packed_tower``; none when it is loaded)."""
+    interfaces_loaded: int = 0
+    """Packed towers' interfaces loaded from a saved entry instead of probed (``hf/tower_interfaces``)."""
     buckets_built: int = 0
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0
@@ -64,3 +76,56 @@ class Counters:
 
 
 counters = Counters()
+
+
+PHASES = {
+    "interface": "a packed tower's interface: probed on its shrunk tower, or loaded (``hf/tower_interfaces``)",
+    "plan_load": "a saved build plan or graph plan and its compiled artifact loaded (``warm_start``)",
+    "trace": "dynamo's trace and what the backend does besides the stages below",
+    "analyze": "the pipeline's analyses: sites, roles, relations and bounds (``analyze``)",
+    "check_call": "the pipeline's checks of the call being traced (``serve/call_checks``)",
+    "rewrite": "the pipeline's rewrites of the eager and the compiled copy (``rewrite``)",
+    "kernel_timing": "the attention kernel chosen per group by timing the candidates (``rewrite/kernel_choice``)",
+    "compile": "the pipeline's one inductor compile, or the load of its saved artifact (``compile_once``)",
+    "assemble": "the pipeline's assembly: parameters bound, kernels prepared, buffers allocated",
+    "captures": "every bucket's CUDA graph captured, largest first (``compile/buckets.capture``)",
+    "call_costs": "the cost table of the ways to serve a call, measured at warm-up (``serve/call_costs``)",
+}
+"""The start-up phases ``startup_phases`` times, and what each holds."""
+
+
+@dataclass
+class StartupPhases:
+    """Wall seconds per start-up phase (``PHASES``) in this process, each exclusive of the phases nested in it."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the block's wall time (device synchronized at its end), less that of phases nested in it, to
+        ``seconds[name]``."""
+        if name not in PHASES:
+            raise ValueError(f"unknown start-up phase {name!r}: one of {sorted(PHASES)}")
+        stack = self._local.__dict__.setdefault("stack", [])
+        stack.append(0.0)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            nested = stack.pop()
+            if stack:
+                stack[-1] += elapsed
+            with self._lock:
+                self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - nested
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.seconds)
+
+
+startup_phases = StartupPhases()

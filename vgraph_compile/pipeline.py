@@ -21,17 +21,15 @@ assemble    ``compile/assemble``      parameters bound, kernels prepared, every 
 
 A saved plan (``entry/warm_start``) holds what analyze, rewrite and compile decided: a warm start runs
 ``PLAN_STAGES`` only. CUDA graphs are captured at the first call (``serve/runtime``), outside this table. Each
-stage is timed (``stage_seconds``); ``build`` calls them in the table's order, by name, so a reader (and a test)
+stage is timed (``counters.startup_phases``, under its name); ``build`` calls them in the table's order, by name, so a reader (and a test)
 follows the trace through each once.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -42,11 +40,12 @@ from vgraph_compile.analyze import Analyses, analyze
 from vgraph_compile.compile.assemble import BuildRecord, CompiledEncoder, assemble, cudagraphs_wanted, input_layout
 from vgraph_compile.compile.inductor import CompiledFn, compile_once
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import startup_phases
 from vgraph_compile.rewrite import Rewritten, rewrite_trace
 from vgraph_compile.serve.call_checks import CallChecks
 from vgraph_compile.spec import PassContext, Role, VarlenSpec
 
-__all__ = ["Built", "PLAN_STAGES", "STAGES", "Stage", "build", "build_from_plan", "cudnn_attention", "stage_seconds"]
+__all__ = ["Built", "PLAN_STAGES", "STAGES", "Stage", "build", "build_from_plan", "cudnn_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +78,14 @@ STAGES: tuple[Stage, ...] = (
 PLAN_STAGES: tuple[Stage, ...] = (STAGES[1], STAGES[4])
 """The stages a saved plan leaves to run (``build_from_plan``)."""
 
-stage_seconds: collections.Counter[str] = collections.Counter()
-"""Seconds spent in each stage in this process, by stage name (start-up reports read it)."""
-
-
 def _timed(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The stage's wall time, under its name, in ``counters.startup_phases`` (start-up reports read it)."""
+
     def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            begin = time.perf_counter()
-            try:
+            with startup_phases.phase(name):
                 return function(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - begin
-                stage_seconds[name] += seconds
-                log.debug("vgraph: stage %s took %.3f s", name, seconds)
 
         return timed
 

@@ -93,10 +93,10 @@ def test_confined_kernel_keeps_other_segments_bit_identical(head_dim, lengths, v
 def test_auto_times_every_candidate_as_a_graph_replay(head_dim):
     """Each kernel ``auto`` would time is captured and replayed on a full-attention group's shape (one image in a
     bucket of 8 segment slots), the dense SDPA kernels that ship with torch among them."""
-    shape = kernel_timing.GroupShape(
+    shape = kernel_choice.GroupShape(
         rows=2304, segment=2304, capacity=8, heads=4, head_dim=head_dim, dtype=torch.bfloat16
     )
-    names = kernel_timing._candidates(CUDA, torch.bfloat16)
+    names = kernel_choice._candidates(CUDA, torch.bfloat16)
     assert {"torch_varlen", "dense_cudnn", "dense_flash", "dense_efficient"} <= set(names)
     for name in names:
         assert 0 < kernel_choice._time_ms(name, shape, CUDA) < 100, name

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
-from vgraph_compile.models.hf_families import TINY_SIZES, build_tower, released_config, shrunk
+from vgraph_compile.sample_models.vision_utils_towers import TINY_SIZES, build_tower, released_config, shrunk
 
 __all__ = ["tower_sizes", "tiny_sizes", "check_served"]
 

@@ -33,7 +33,6 @@ import torch
 import torch.fx
 
 from vgraph_compile.analyze import groups, inputs, refusals, relations, roles
-from vgraph_compile.fx_utils import example_value
 from vgraph_compile.spec import PassContext, VarlenSite, VarlenSpec
 from vgraph_compile.symbolic import substitute, traced_values
 

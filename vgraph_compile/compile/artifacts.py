@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from vgraph_compile.config import VGraphConfig
 
 __all__ = [
-    "Artifact", "artifact_dir", "artifact_key", "available", "describe_input", "device_name", "discard_plan", "load",
-    "load_plan", "save", "save_plan", "settings", "sources_hash", "SHAPING_SOURCES",
+    "Artifact", "artifact_dir", "artifact_key", "available", "configured_dir", "describe_input", "device_name",
+    "discard_plan", "load", "load_plan", "save", "save_plan", "settings", "sources_hash", "SHAPING_SOURCES",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,12 @@ def available() -> bool:
 
 def artifact_dir(config: "VGraphConfig") -> Path | None:
     """Where an encoder's artifacts live; None when saving and loading are off."""
-    configured = config.artifact_dir
+    return configured_dir(config.artifact_dir)
+
+
+def configured_dir(configured: str | os.PathLike | None) -> Path | None:
+    """The artifact directory for an ``artifact_dir`` option: the option; else ``$VGRAPH_ARTIFACT_DIR``; else
+    ``vgraph_artifacts`` in inductor's cache directory. None (an empty string) when saving and loading are off."""
     if configured is None:
         configured = os.environ.get(ENVIRONMENT_VARIABLE)
     if configured is None:

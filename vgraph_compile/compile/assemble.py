@@ -26,7 +26,7 @@ from vgraph_compile.kernels import registry
 from vgraph_compile.compile import buckets as bucket_graphs
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.compile.inductor import CompiledFn
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.rewrite.align_matmuls import PADDED_SHAPE
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.spec import BucketShape, DroppedBucket, PassContext, Role, VarlenSpec
@@ -134,7 +134,7 @@ class CompiledEncoder:
                 return
             if self.cudagraphs:
                 pool = torch.cuda.graph_pool_handle()
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), startup_phases.phase("captures"):
                     captured = bucket_graphs.capture(self.buckets, self.compiled, pool, prepare)
                 kept = {bucket.shape.budget for bucket in captured}
                 self.dropped += [

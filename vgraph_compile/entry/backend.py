@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from vgraph_compile import pipeline
 from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.entry import warm_start
 from vgraph_compile.serve.arguments import argument_rooted
 from vgraph_compile.serve.runtime import VGraphRuntime
@@ -148,7 +148,8 @@ class VGraphBackend:
         )
         first_call = _first_call(example_inputs, ctx.shape_env)
         key = warm_start.graph_key(gm, ctx, self.analyses)
-        loaded = warm_start.load_graph(self.config, key) if key is not None else None
+        with startup_phases.phase("plan_load"):
+            loaded = warm_start.load_graph(self.config, key) if key is not None else None
         if loaded is not None:
             spec, record, compiled = loaded
             state = [value if role.role is Role.PARAMETER else None for role, value in zip(spec.inputs, example_inputs)]

@@ -28,7 +28,7 @@ from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.entry.backend import VGraphBackend
 from vgraph_compile.entry.trace_options import trace_options
 from vgraph_compile.config import VGraphConfig
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.runtime import StockServed, VGraphRuntime
 from vgraph_compile.entry import warm_start
@@ -138,11 +138,13 @@ class CompiledEncoderFunction:
             self.vgraph.cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
             if self._first_call:
                 self._first_call = False
-                result = self._warm_start(args, kwargs, key)
+                with startup_phases.phase("plan_load"):
+                    result = self._warm_start(args, kwargs, key)
                 if result is not NotImplemented:
                     return result
             try:
-                with trace_options(args):
+                tracing = startup_phases.phase("trace") if self._hot is None else contextlib.nullcontext()
+                with trace_options(args), tracing:
                     result = self._compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as failure:
                 if isinstance(failure.inner_exception, ValueError):

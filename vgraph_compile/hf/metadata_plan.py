@@ -7,7 +7,10 @@ it is there. ``record_metadata`` runs the tower once on a probe grid with those 
 modeling modules, and with a ``TorchFunctionMode`` that follows every tensor derived from the grid. It returns a
 ``MetadataPlan``: per call, the function, its arguments as recipes over the grid (config scalars stay constants),
 and the keys it pops, in order, matching its results. ``MetadataPlan.compute(grid)`` replays the calls on the
-host for any grid.
+host for any grid. The tower's config, passed to a call (``get_max_seqlen(cu_seqlens, config)`` reads its attention
+implementation), is recorded as the plan's ``config`` input, not as a constant: ``MetadataPlan.bound(config)``
+gives the plan that reads another tower's config (the plan is learned on a shrunk tower of the same class and
+config, and saved without it).
 
 Invariant: the plan only holds calls that computed from the grid; a grid-derived value read on the host outside
 those calls (``grid_thw.tolist()`` in the tower's own forward) or a call that cannot take its value precomputed
@@ -27,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["MetadataCall", "MetadataPlan", "TowerRefused", "metadata_functions", "record_metadata"]
+__all__ = ["CONFIG_INPUT", "MetadataCall", "MetadataPlan", "TowerRefused", "metadata_functions", "record_metadata"]
 
 
 class TowerRefused(ValueError):
@@ -44,9 +47,13 @@ _HOST_READS = {
 }
 
 
+CONFIG_INPUT = "<config>"
+"""The name of the plan's input that is the tower's config (no argument can be named so)."""
+
+
 @dataclass(frozen=True)
 class _Input:
-    """A tower argument (``grid_thw``), by name."""
+    """A tower argument (``grid_thw``), or the tower's config (``CONFIG_INPUT``), by name."""
 
     name: str
 
@@ -109,13 +116,19 @@ class MetadataPlan:
 
     grid_argument: str
     calls: tuple[MetadataCall, ...]
+    config: Any = field(default=None, compare=False)
+    """The config the calls read (``CONFIG_INPUT``): the served tower's own."""
+
+    def bound(self, config: Any) -> "MetadataPlan":
+        """This plan, reading ``config`` (None: unbound, as it is saved)."""
+        return MetadataPlan(self.grid_argument, self.calls, config)
 
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(key for call in self.calls for key in call.keys)
 
     def compute(self, grid_thw: torch.Tensor) -> dict[str, Any]:
-        inputs, memo, values = {self.grid_argument: grid_thw}, {}, {}
+        inputs, memo, values = {self.grid_argument: grid_thw, CONFIG_INPUT: self.config}, {}, {}
         for call in self.calls:
             values.update(call.values(inputs, memo))
         return values
@@ -152,6 +165,8 @@ class _Recorder(TorchFunctionMode):
     calls: list[MetadataCall] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
     depth: int = 0
+    config: Any = None
+    """The tower's config: recorded as the plan's ``CONFIG_INPUT`` wherever a call takes it."""
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -160,6 +175,8 @@ class _Recorder(TorchFunctionMode):
         self.recipes[id(tensor)] = (tensor, recipe)  # the tensor is held, so its id is not reused while recording
 
     def recipe(self, value: Any) -> Any:
+        if value is self.config and value is not None:
+            return _Input(CONFIG_INPUT)
         if isinstance(value, torch.Tensor) and id(value) in self.recipes:
             return self.recipes[id(value)][1]
         return value
@@ -250,7 +267,7 @@ def record_metadata(
 ) -> tuple[MetadataPlan, Any]:
     """(the tower's metadata plan, its output) from one eager forward on ``grid_thw``; ``ValueError`` when the tower
     uses the grid in a way the plan cannot serve."""
-    recorder = _Recorder()
+    recorder = _Recorder(config=tower.config)
     recorder.tag(grid_thw, _Input(grid_argument))
     with _wrapped(tower, recorder), recorder:
         output = tower(pixel_values, **{grid_argument: grid_thw})
@@ -259,4 +276,4 @@ def record_metadata(
         raise TowerRefused(f"{name} cannot be served by vgraph: it {'; it '.join(dict.fromkeys(recorder.refusals))}")
     if not recorder.calls:
         raise TowerRefused(f"{name} computes no grid metadata through transformers.vision_utils: not a packed tower")
-    return MetadataPlan(grid_argument, tuple(recorder.calls)), output
+    return MetadataPlan(grid_argument, tuple(recorder.calls), tower.config), output

@@ -22,6 +22,7 @@ video's reason: the tower is served on images only, and a grid with t > 1 is ref
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import traceback
@@ -30,9 +31,11 @@ from typing import Any, Iterator
 
 import torch
 
+from vgraph_compile.counters import counters
 from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.metadata_plan import MetadataPlan, TowerRefused, record_metadata
+from vgraph_compile.hf.shrunk_tower import shrunk_tower
 
 __all__ = [
     "OutputField",
@@ -107,6 +110,10 @@ class PackedTower:
     def pixel_values_shape(self, patches: int) -> tuple[int, ...]:
         """The shape of the tower's pixel_values for ``patches`` patch rows (its leading dim of 1 included)."""
         return ((1,) if self.batched else ()) + (patches, *self.pixel_shape)
+
+    def bound(self, tower: torch.nn.Module | None) -> "PackedTower":
+        """This interface, its metadata plan reading ``tower``'s config (None: unbound, as it is saved)."""
+        return dataclasses.replace(self, metadata=self.metadata.bound(getattr(tower, "config", None)))
 
     def grid_table(self, grid_thw: torch.Tensor, rows: int) -> torch.Tensor:
         """The grid as a ``grid_traced`` tower's traced call takes it (``grid_table``)."""
@@ -231,6 +238,7 @@ def _record(tower, grid) -> tuple[_Layout, MetadataPlan, Any]:
     failures = []
     for layout in _layouts(tower):
         pixel_values, grid_thw = _inputs(tower, layout, grid)
+        counters.probe_forwards += 1
         try:
             plan, output = record_metadata(tower, pixel_values, grid_argument(tower), grid_thw)
         except TowerRefused:
@@ -291,11 +299,13 @@ def _served(tower, layout: _Layout, plan: MetadataPlan, grid: list, grid_traced:
     metadata passed in) on ``grid``; ``TowerRefused`` naming the failing line when either call fails."""
     name = grid_argument(tower)
     pixel_values, grid_thw = _inputs(tower, layout, grid)
+    counters.probe_forwards += 1
     try:
         expected = tower(pixel_values, **{name: grid_thw})
     except Exception as error:
         raise _refuse(tower, f"the stock tower fails on the grid {grid}: {type(error).__name__}: {error}") from error
     given = grid_table(grid_thw, len(grid) + 2, _merge(tower.config) or 1) if grid_traced else None
+    counters.probe_forwards += 1
     try:
         served = tower(pixel_values, **{name: given}, **plan.compute(grid_thw))
     except Exception as error:
@@ -357,26 +367,29 @@ def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_outpu
     return _Verified(type(expected), tuple(outputs), relations, grid_traced)
 
 
+PROBE_THREADS = 2
+"""Intra-op threads of the probe forwards at most: their tensors are small, and processes that start together
+(data-parallel ranks, replicas) must not oversubscribe the host's cores with them."""
+
+
 @contextlib.contextmanager
-def _on_host(tower: torch.nn.Module) -> Iterator[None]:
-    """The tower's tensors on the CPU while it is probed, then back: a probe grid the stock tower cannot take (an
-    index past its grid's rows, as a tower indexing its grid per frame makes on a video) raises an error there,
-    where on a GPU it is a device-side assert that ends the process's CUDA context. The plan is computed on the
-    host anyway."""
-    device = next(tower.parameters()).device
-    if device.type == "cpu":
-        yield
-        return
-    tower.to("cpu")
+def _probe_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, PROBE_THREADS))
     try:
         yield
     finally:
-        tower.to(device)
+        torch.set_num_threads(threads)
 
 
-def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
+def learn_packed_tower(tower: torch.nn.Module, probe: torch.nn.Module | None = None) -> PackedTower:
     """The tower's interface (see the module docstring); ``TowerRefused`` (a ``ValueError``) naming the reason when
     it cannot be served.
+
+    The forwards run on a shrunk tower of the same class and config, on the host (``shrunk_tower``): the tower
+    itself is never moved, copied or called (only when its class cannot be built from its config alone is it
+    probed itself, where it is). ``probe``: the module the forwards run on instead (the tower itself, say).
+    Each forward is counted (``counters.probe_forwards``).
 
     The plan is verified on a video and a one-merge-unit image; when that fails (the stock tower itself fails on
     more than one frame, or its rows do not scale with frames), on two images, and the tower serves images only,
@@ -396,13 +409,18 @@ def learn_packed_tower(tower: torch.nn.Module) -> PackedTower:
     video = [(2, 2 * merge, 4 * merge), (1, merge, merge)]
     images = [(1, 2 * merge, 4 * merge), (1, merge, merge)]
     video_failure = None
-    with torch.no_grad(), routed_attention(tower), _on_host(tower):
-        layout, plan, first_output = _record(tower, first)
+    if probe is None:
+        probe = shrunk_tower(tower)
+    if probe is None:
+        probe = tower
+    with torch.no_grad(), routed_attention(probe), _probe_threads():
+        layout, plan, first_output = _record(probe, first)
         try:
-            verified = _verify(tower, layout, plan, first, first_output, video)
+            verified = _verify(probe, layout, plan, first, first_output, video)
         except TowerRefused as refusal:
             video_failure = str(refusal).split(": ", 1)[1]
-            verified = _verify(tower, layout, plan, first, first_output, images)
+            verified = _verify(probe, layout, plan, first, first_output, images)
+    plan = plan.bound(tower.config)
     geometry = _geometry(tower, plan)
     return PackedTower(
         name, geometry, layout.shape, plan, verified.metadata_patches_per_row, verified.output_class,

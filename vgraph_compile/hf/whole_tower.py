@@ -23,17 +23,20 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from vgraph_compile.compile import artifacts
 from vgraph_compile.config import VGraphConfig
+from vgraph_compile.counters import startup_phases
 from vgraph_compile.entry.decorator import CompiledEncoderFunction
 from vgraph_compile.hf import data_parallel, sequence_parallel
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.outputs import OutputFactory
-from vgraph_compile.hf.packed_tower import PackedTower, grid_argument, learn_packed_tower, metadata_leaves
+from vgraph_compile.hf.packed_tower import PackedTower, grid_argument, metadata_leaves
 from vgraph_compile.hf.parallel_tower import ParallelTower
 from vgraph_compile.hf.stand_in import TowerStandIn
 from vgraph_compile.hf.batching import Batch, pack, row_starts
 from vgraph_compile.hf.tower_call import TowerCall, traced_window_offsets
+from vgraph_compile.hf.tower_interfaces import tower_interface
 
 __all__ = ["CompiledVisionTower", "compile_packed_tower", "is_packed_tower"]
 
@@ -420,7 +423,8 @@ def compile_packed_tower(
             "(grid_thw, image_grid_thw...) of packed variable-size images. Pass the vision tower of a transformers "
             "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
         )
-    interface = learn_packed_tower(tower)
+    with startup_phases.phase("interface"):
+        interface = tower_interface(tower, artifacts.configured_dir(options.get("artifact_dir")))
     log.info("%s: grid metadata %s", type(tower).__name__, interface.metadata.describe())
     config = VGraphConfig(
         token_budgets=tuple(token_budgets) if token_budgets is not None else None,

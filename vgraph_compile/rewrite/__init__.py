@@ -27,6 +27,7 @@ import torch.fx
 import copy
 from dataclasses import dataclass
 
+from vgraph_compile.counters import startup_phases
 from vgraph_compile.fx_utils import Pass, apply_pass
 from vgraph_compile.rewrite import (
     align_matmuls,
@@ -79,7 +80,8 @@ class Rewritten:
 def rewrite_trace(gm: torch.fx.GraphModule, ctx: PassContext) -> Rewritten:
     """The kernel choice and both rewritten copies of ``gm`` (module docstring); ``gm`` is left as traced."""
     folded = fold_scalars.folded(gm, ctx)
-    ctx.kernels = kernel_choice.choose_kernels(gm, ctx)
+    with startup_phases.phase("kernel_timing"):
+        ctx.kernels = kernel_choice.choose_kernels(gm, ctx)
     eager = rewrite(copy.deepcopy(gm), ctx, REWRITES)
     compiled = rewrite(copy.deepcopy(gm), ctx, REWRITES + COMPILE_REWRITES)
     prepared = tuple((name, str(device)) for name, device in select_kernel.kernels_used(compiled))

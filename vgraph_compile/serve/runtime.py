@@ -40,7 +40,7 @@ import torch
 from vgraph_compile.compile.assemble import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.serve.call_costs import CallCosts, measure_call_costs, median_ms
-from vgraph_compile.counters import counters
+from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve import fills
 from vgraph_compile.serve.call_checks import CallChecks, CallPlan
@@ -168,14 +168,15 @@ class VGraphRuntime:
     def _measure_costs(self) -> None:
         """The cost table, once ``measured`` needs it and the graphs are captured."""
         if self.call_choice == "measured" and self.costs is None and self.buckets and self.encoder.captured:
-            self.costs = measure_call_costs(
-                self.buckets,
-                lambda bucket: bucket.run(self.encoder.compiled),
-                self.encoder.compiled,
-                self.spec,
-                self.encoder.roles,
-                self.device,
-            )
+            with startup_phases.phase("call_costs"):
+                self.costs = measure_call_costs(
+                    self.buckets,
+                    lambda bucket: bucket.run(self.encoder.compiled),
+                    self.encoder.compiled,
+                    self.spec,
+                    self.encoder.roles,
+                    self.device,
+                )
 
     @property
     def offers_stock(self) -> bool:
@@ -198,6 +199,17 @@ class VGraphRuntime:
             self._chosen.clear()
             self._views.clear()
             self._routes.clear()
+
+    def _measured_costs(self) -> CallCosts:
+        """The cost table of this runtime's buckets, measured now."""
+        return measure_call_costs(
+            self.buckets,
+            lambda bucket: bucket.run(self.encoder.compiled),
+            self.encoder.eager,
+            self.spec,
+            self.encoder.roles,
+            self.device,
+        )
 
     # -- per call ----------------------------------------------------------------------------------------------
 
