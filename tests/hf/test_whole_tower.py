@@ -283,9 +283,9 @@ def test_every_way_of_passing_pixels_and_grid_is_served_alike(towers, compiled, 
 
 
 def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(towers):
-    """With call_choice="measured", the first call of a bucket runs the stock tower (its own sdpa attention, not
-    vgraph's op), timed; every later call takes the cheapest of replay, exact size and stock. Each equals the stock
-    tower, and stats_table counts the choices."""
+    """With call_choice="measured", the first two calls of a bucket run the stock tower (its own sdpa attention,
+    not vgraph's op), the second timed (the first is its cold start); every later call takes the cheapest of replay,
+    exact size and stock. Each equals the stock tower, and stats_table counts the choices."""
     tower = towers["qwen3-vl"]
     served = compile_vision_tower(
         tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", call_choice="measured"
@@ -297,8 +297,8 @@ def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(to
             _assert_same(out, tower(pixel_values, grid_thw))
     (runtime,) = served.runtimes
     assert sum(runtime.choices.values()) == 5  # the four calls and the warm-up's synthetic image
-    assert runtime.choices["stock module"] >= 2  # the first call of each bucket
-    assert sorted(runtime.stock_ms) == [128, 512]
+    assert runtime.choices["stock module"] >= 3  # the first two calls of bucket 128, the first of bucket 512
+    assert sorted(runtime.stock_ms) == [128]  # 512's one call was its cold start, untimed
     assert "per-call choice (measured): padded to the smallest bucket x" in served.stats_table()
 
 

@@ -267,7 +267,7 @@ def record_metadata(
 ) -> tuple[MetadataPlan, Any]:
     """(the tower's metadata plan, its output) from one eager forward on ``grid_thw``; ``ValueError`` when the tower
     uses the grid in a way the plan cannot serve."""
-    recorder = _Recorder(config=tower.config)
+    recorder = _Recorder(config=getattr(tower, "config", None))
     recorder.tag(grid_thw, _Input(grid_argument))
     with _wrapped(tower, recorder), recorder:
         output = tower(pixel_values, **{grid_argument: grid_thw})
@@ -276,4 +276,4 @@ def record_metadata(
         raise TowerRefused(f"{name} cannot be served by vgraph: it {'; it '.join(dict.fromkeys(recorder.refusals))}")
     if not recorder.calls:
         raise TowerRefused(f"{name} computes no grid metadata through transformers.vision_utils: not a packed tower")
-    return MetadataPlan(grid_argument, tuple(recorder.calls), tower.config), output
+    return MetadataPlan(grid_argument, tuple(recorder.calls), getattr(tower, "config", None)), output

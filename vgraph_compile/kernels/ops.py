@@ -12,6 +12,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -79,24 +81,18 @@ VARLEN_ATTENTION = torch.ops.vgraph.varlen_attention
 """The op packet (graphs hold its ``.default`` overload)."""
 
 def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    scale: float | None = None,
-    backend: str = "default",
-    sequence_group: str = "",
-    sequence_ranks: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, **options: Any
 ) -> torch.Tensor:
-    """``vgraph::varlen_attention`` (see ``_varlen_attention``), with a ``ValueError`` naming ``cu_seqlens`` when
-    it is no tensor (a Python list of offsets), in eager code and in a trace alike."""
+    """``vgraph::varlen_attention`` (see ``_varlen_attention``: ``options`` are its ``scale``, ``backend``,
+    ``sequence_group`` and ``sequence_ranks``), with a ``ValueError`` naming ``cu_seqlens`` when it is no tensor
+    (a Python list of offsets), in eager code and in a trace alike. The options pass on as keywords, so a traced
+    graph holds the op as the caller wrote it."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(
             f"varlen_attention: cu_seqlens must be a 1-D int32 tensor of segment offsets, got a "
             f"{type(cu_seqlens).__name__}; pass torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)"
         )
-    return _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, backend, sequence_group, sequence_ranks)
+    return _varlen_attention(q, k, v, cu_seqlens, max_seqlen, **options)
 
 
 @torch.library.custom_op("vgraph::qkv_offsets_varlen_attention", mutates_args=())
