@@ -26,21 +26,24 @@ settings.register_profile("thorough", deadline=None, max_examples=300, suppress_
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-@pytest.fixture
-def cold_inductor_cache(tmp_path, monkeypatch):
-    """An empty inductor (and Triton) cache directory of the test's own, with torch's in-memory compile caches
-    and dynamo cleared: the first compile in the test starts cold, as on a fresh machine. Yields the directory
-    (``torch._inductor.runtime.cache_dir_utils.cache_dir()`` reads the variable at every use)."""
+@pytest.fixture(scope="module")
+def cold_inductor_cache(tmp_path_factory):
+    """An empty inductor (and Triton) cache directory of the module's own, with torch's in-memory compile caches
+    and dynamo cleared: the module's first compile starts cold, as on a fresh machine; its later tests compile
+    graphs new to that cache (FX graph cache misses, each counted) and reuse only C++ kernels of identical source.
+    One cold cache per process, not per test. Yields the directory (``torch._inductor.runtime.cache_dir_utils.
+    cache_dir()`` reads the variable at every use)."""
     from torch._inductor.utils import clear_caches
 
-    directory = tmp_path / "inductor"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(directory / "triton"))
-    clear_caches()
-    torch._dynamo.reset()
-    yield directory
-    clear_caches()
-    torch._dynamo.reset()
+    directory = tmp_path_factory.mktemp("cold") / "inductor"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(directory / "triton"))
+        clear_caches()
+        torch._dynamo.reset()
+        yield directory
+        clear_caches()
+        torch._dynamo.reset()
 
 
 def _run_script(script: str, argv: list[str], stdout: str, stderr: str) -> None:

@@ -8,6 +8,7 @@ import pathlib
 from typing import Iterator
 
 import torch
+from hypothesis import settings
 import torch.fx
 from torch._dynamo.testing import normalize_gm
 from torch._guards import detect_fake_mode
@@ -106,3 +107,7 @@ def benchmark_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+THOROUGH = settings.get_current_profile_name() == "thorough"
+"""Whether ``HYPOTHESIS_PROFILE=thorough`` runs: the tests that sweep many configs or every family run then."""

@@ -1,5 +1,6 @@
 """The headline path as a new user meets it: plain ``torch.compile(encoder, backend="vgraph", dynamic=True)``
-with dynamo's default config, inductor, and a cold cache of the test's own. Aot_autograd's tensorify pass restarts
+with dynamo's default config, inductor, and one cold cache for the module (the first test compiles cold; the
+others reuse its C++ kernels). Aot_autograd's tensorify pass restarts
 dynamo on such a first trace (``TensorifyScalarRestartAnalysis``); only a build inside dynamo's call of the
 backend lets that restart happen. Each encoder: one compile on the first call, then calls of other sizes served by
 the buckets (counted replays: an eager fallback fails the test) and equal to eager. ClsViT splits its image counts

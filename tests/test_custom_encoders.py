@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vgraph_compile
+from tests.helpers import THOROUGH
 from tests.conftest import report
 from vgraph_compile.entry.backend import vgraph_backend
 from vgraph_compile.counters import counters
@@ -25,7 +26,6 @@ from vgraph_compile.sample_models.explain_factories import windowed_inputs
 GEOMETRY = VisionGeometry(patch_size=14, temporal_patch_size=1, window_size=56)
 """Windows of 2 x 2 merged tokens (16 patches)."""
 PATCH_DIM, WIDTH, HEADS, TABLE = 12, 16, 2, 64
-THOROUGH = settings.get_current_profile_name() == "thorough"
 DRAWN: list[str] = []
 REFUSED: list[str] = []
 

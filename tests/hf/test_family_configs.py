@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.hf.family_configs import check_served, tiny_sizes, tower_sizes
+from tests.helpers import THOROUGH
 from tests.hf.test_families import REFUSED
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
 SERVED = sorted(set(vision_utils_families()) - set(REFUSED))
-THOROUGH = settings.get_current_profile_name() == "thorough"
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

@@ -9,6 +9,7 @@ same model before compile_vlm replaces its tower."""
 import pytest
 import torch
 
+from tests.helpers import THOROUGH
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledVisionTower, compile_vlm
 from vgraph_compile.hf.vlm import find_vision_tower
@@ -58,7 +59,7 @@ def _family_cases(family):
     return model, {"two images": vision_utils_vlms.image_inputs(model, processor, images)}
 
 
-@pytest.fixture(scope="module", params=QWEN + OTHER_FAMILIES)
+@pytest.fixture(scope="module", params=QWEN + OTHER_FAMILIES if THOROUGH else ["qwen3-vl", "paddleocr_vl"])
 def served(request):
     """(family, model after compile_vlm, {case: (inputs, stock logits, stock greedy tokens)})."""
     model, inputs = (_qwen_cases if request.param in QWEN else _family_cases)(request.param)
