@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
@@ -39,7 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from vgraph_compile.hf.metadata_plan import metadata_functions
+from vgraph_compile.hf.metadata_plan import wrapped_metadata_functions
 
 __all__ = [
     "BlockCall",
@@ -287,20 +286,6 @@ class _Pops(dict):
         return super().pop(key, *default)
 
 
-@contextlib.contextmanager
-def _wrapped(tower: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
-    """The tower's modeling modules' ``get_*`` functions wrapped by the recorder while it records."""
-    modules = {sys.modules[type(module).__module__] for module in tower.modules()}
-    patched = [(module, name, function) for module in modules for name, function in metadata_functions(module).items()]
-    try:
-        for module, name, function in patched:
-            setattr(module, name, recorder.wrap(function))
-        yield
-    finally:
-        for module, name, function in patched:
-            setattr(module, name, function)
-
-
 def _host_values(path: str, event: _Event) -> tuple[HostValue, ...]:
     """The event's host calls as ``HostValue``s over its arguments' leaves; each value is added to the event's
     keywords, as the program passes it; ``BlocksRefused`` when one reads a tensor the block does not take."""
@@ -506,7 +491,7 @@ def record_block_program(tower: torch.nn.Module, args: tuple, kwargs: dict) -> R
     """The tower's block program, learned from the call ``tower(*args, **kwargs)`` (see the module docstring);
     ``BlocksRefused`` naming the reason when no module list of the tower is a block stack a program can hold."""
     lists = _module_lists(tower)
-    with _recording(tower) as recorder, _wrapped(tower, recorder):
+    with _recording(tower) as recorder, wrapped_metadata_functions(tower, recorder):
         output = tower(*args, **kwargs)
     candidates = [path for path, events in recorder.events.items() if _in_sequence(events, len(lists[path]))]
     if not candidates:

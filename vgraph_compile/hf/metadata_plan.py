@@ -30,7 +30,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["CONFIG_INPUT", "MetadataCall", "MetadataPlan", "TowerRefused", "metadata_functions", "record_metadata"]
+__all__ = [
+    "CONFIG_INPUT", "MetadataCall", "MetadataPlan", "TowerRefused", "metadata_functions", "record_metadata",
+    "wrapped_metadata_functions",
+]
 
 
 class TowerRefused(ValueError):
@@ -250,7 +253,9 @@ def metadata_functions(module) -> dict[str, Callable]:
 
 
 @contextlib.contextmanager
-def _wrapped(tower: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
+def wrapped_metadata_functions(tower: torch.nn.Module, recorder: Any) -> Iterator[None]:
+    """The tower's modeling modules' ``get_*`` functions replaced by ``recorder.wrap(function)`` inside the block,
+    restored after it (also when it raises)."""
     modules = {sys.modules[type(module).__module__] for module in tower.modules()}
     patched = [(module, name, function) for module in modules for name, function in metadata_functions(module).items()]
     try:
@@ -269,7 +274,7 @@ def record_metadata(
     uses the grid in a way the plan cannot serve."""
     recorder = _Recorder(config=getattr(tower, "config", None))
     recorder.tag(grid_thw, _Input(grid_argument))
-    with _wrapped(tower, recorder), recorder:
+    with wrapped_metadata_functions(tower, recorder), recorder:
         output = tower(pixel_values, **{grid_argument: grid_thw})
     name = type(tower).__name__
     if recorder.refusals:
