@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (seeing any torch already installed system-wide), add torch 2.13.0 only when none is importable,
-# and install vgraph_compile with its test extras.
+# and install vgraph_compile with its test extras and any extras named as arguments (cudnn, fa4, fa4-cu13,
+# flashinfer, serve), so an optional package never brings a torch of its own choosing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -9,4 +10,5 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-.venv/bin/python -m pip install -q -e ".[test]"
+extras=$(IFS=,; echo "test${*:+,$*}")
+.venv/bin/python -m pip install -q -e ".[$extras]"
