@@ -1,3 +1,7 @@
+import functools
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,13 +19,29 @@ def towers():
     return {name: qwen_tower(name, device="cpu", dtype=torch.float32, **size) for name, size in TOY_SIZES.items()}
 
 
+@functools.cache
+def _run_directory(config) -> Path:
+    """A directory of this test run, the same in each of its test processes: pytest-xdist gives each worker a
+    base temporary directory inside the run's own (which pytest removes a few runs later)."""
+    if hasattr(config, "workerinput"):
+        return Path(config.option.basetemp).parent / "gloo-groups"
+    return Path(tempfile.mkdtemp(prefix="gloo-groups-"))
+
+
 def pytest_collection_finish(session):
     """Start the gloo groups the collected tests read, in the background (``gloo_group.py``)."""
     sizes = {item.callspec.params["gloo_group"] for item in session.items if "gloo_group" in item.fixturenames}
     if sizes:
         from tests.hf.gloo_group import start
 
-        start(sorted(sizes))
+        start(sorted(sizes), _run_directory(session.config))
+
+
+def pytest_sessionfinish(session):
+    """This process's groups end before it does: other test processes may still read them."""
+    from tests.hf.gloo_group import finish
+
+    finish()
 
 
 @pytest.fixture(scope="session", params=[2, 3])
@@ -30,4 +50,4 @@ def gloo_group(request):
     multi-process checks of tests/hf (``tests/hf/gloo_group.py``)."""
     from tests.hf.gloo_group import results
 
-    return results(request.param)
+    return results(request.param, _run_directory(request.config))

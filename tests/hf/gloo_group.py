@@ -9,7 +9,8 @@ The ranks are forked from one server process that imported torch, transformers' 
 (``PRELOAD``): a fresh single-threaded interpreter, so forking it is safe, and no rank imports them again. When the
 tests are collected, the groups they need start running one after another in a background thread (``start``):
 their processes share nothing with the test process, and the tests of other modules run meanwhile; a test reading
-a group waits for it (``results``).
+a group waits for it (``results``). Each group runs once per test run, in whichever of its test processes
+(pytest-xdist's workers, which each collect every test) claims it first; the others read its written results.
 """
 
 from __future__ import annotations
@@ -203,22 +204,70 @@ def spawn(ranks: int) -> tuple[int, list[dict[str, str]]]:
 
 
 _GROUPS: dict[int, concurrent.futures.Future] = {}
-"""Each group size's run, started by ``start``."""
+"""Each group size this process runs, started by ``start``."""
+
+WAIT_SECONDS = 900
+"""How long a test waits for a group another test process runs."""
 
 
-def start(sizes) -> None:
-    """Run the groups of ``sizes`` not started yet, one after another, in a background thread."""
-    sizes = [ranks for ranks in sizes if ranks not in _GROUPS]
-    if sizes:
+def _record(directory: Path, ranks: int) -> Path:
+    return directory / f"group{ranks}.json"
+
+
+def _run_and_record(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
+    """``spawn(ranks)``, its results (or the error that ended it) written where every test process reads them."""
+    try:
+        group = spawn(ranks)
+    except BaseException:
+        record = {"error": traceback.format_exc()}
+        raise
+    else:
+        record = {"results": group[1]}
+        return group
+    finally:
+        partial = _record(directory, ranks).with_suffix(".partial")
+        partial.write_text(json.dumps(record))
+        partial.rename(_record(directory, ranks))
+
+
+def start(sizes, directory: Path) -> None:
+    """Run the groups of ``sizes`` that no test process of this run started yet, one after another, in a background
+    thread. ``directory`` is the run's, shared by its test processes (pytest-xdist's workers): a lock file per size
+    there makes one process run each group, once, and its results are written there for every process."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mine = []
+    for ranks in sizes:
+        if ranks in _GROUPS:
+            continue
+        try:
+            os.close(os.open(directory / f"group{ranks}.lock", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # another test process of this run runs it
+            continue
+        mine.append(ranks)
+    if mine:
         runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gloo-groups")
-        _GROUPS.update({ranks: runner.submit(spawn, ranks) for ranks in sizes})
+        _GROUPS.update({ranks: runner.submit(_run_and_record, ranks, directory) for ranks in mine})
         runner.shutdown(wait=False)
 
 
-def results(ranks: int) -> tuple[int, list[dict[str, str]]]:
-    """The group of ``ranks``: (ranks, each rank's results), once its run (started here if it was not) ends."""
-    start([ranks])
-    return _GROUPS[ranks].result()
+def results(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
+    """The group of ``ranks``: (ranks, each rank's results), once its run (started here if no test process of this
+    run started it) ends."""
+    start([ranks], directory)
+    if ranks in _GROUPS:
+        return _GROUPS[ranks].result()
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not _record(directory, ranks).exists():
+        assert time.monotonic() < deadline, f"the group of {ranks} run by another test process wrote no results"
+        time.sleep(0.5)
+    record = json.loads(_record(directory, ranks).read_text())
+    assert "error" not in record, f"the group of {ranks} failed in another test process:\n{record.get('error')}"
+    return ranks, record["results"]
+
+
+def finish() -> None:
+    """Wait for the groups this process runs (the other test processes read their results)."""
+    concurrent.futures.wait(list(_GROUPS.values()))
 
 
 def assert_passed(group: tuple[int, list[dict[str, str]]], check: Callable, checks: dict[int, list]) -> None:

@@ -45,23 +45,32 @@ def _set(config, values):
             setattr(config, name, [value, value] if pair else value)
 
 
-def tiny_tower(family: str) -> torch.nn.Module:
-    """The family's vision tower from its own vision config, shrunk; the class is the one transformers maps that
-    config to (AutoModel), else the family's module class whose config_class is that config."""
+def _vision_config(family: str):
     vision = transformers.CONFIG_MAPPING[family]().vision_config
     _set(vision, {**TINY, **SAM})
     if hasattr(vision, "global_attn_indexes"):
         vision.num_hidden_layers = 2
-    try:
-        tower = transformers.AutoModel.from_config(vision)
-    except ValueError:
-        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        (cls,) = [
-            c
-            for name, c in vars(module).items()
-            if inspect.isclass(c) and getattr(c, "config_class", None) is type(vision) and "PreTrained" not in name
-        ]
-        tower = cls(vision)
+    return vision
+
+
+def tower_class(family: str) -> type:
+    """The class transformers maps the family's vision config to (AutoModel), else the family's module class whose
+    config_class is that config."""
+    kind = type(transformers.CONFIG_MAPPING[family]().vision_config)
+    if kind in transformers.MODEL_MAPPING:
+        return transformers.MODEL_MAPPING[kind]
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    (cls,) = [
+        c
+        for name, c in vars(module).items()
+        if inspect.isclass(c) and getattr(c, "config_class", None) is kind and "PreTrained" not in name
+    ]
+    return cls
+
+
+def tiny_tower(family: str) -> torch.nn.Module:
+    """The family's vision tower (``tower_class``) from its own vision config, shrunk."""
+    tower = tower_class(family)(_vision_config(family))
     torch.manual_seed(0)
     for parameter in tower.parameters():  # random weights large enough to make every layer matter
         torch.nn.init.normal_(parameter, std=0.2)
@@ -73,7 +82,7 @@ def _towers() -> dict[str, str]:
     seen = {}
     for family in FAMILIES:
         if family in transformers.CONFIG_MAPPING:
-            seen.setdefault(type(tiny_tower(family)).__name__, family)
+            seen.setdefault(tower_class(family).__name__, family)
     return seen
 
 

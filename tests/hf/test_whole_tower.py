@@ -1,5 +1,6 @@
 """compile_vision_tower on toy Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers: equal to the eager tower (same attention
-op) on generated grids, through the one-batch, split and eager-fallback paths; input checks."""
+op) on generated grids, through the one-batch, split and eager-fallback paths; input checks. The other kernels and
+call choices run on one family each (every family with ``HYPOTHESIS_PROFILE=thorough``)."""
 
 import functools
 import inspect
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import THOROUGH
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.whole_tower import asks_nothing
@@ -302,7 +304,7 @@ def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(to
     assert "per-call choice (measured): padded to the smallest bucket x" in served.stats_table()
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"] if THOROUGH else ["qwen3-vl"])
 def test_dense_sdpa_kernel_serves_the_tower_equal_to_the_stock_tower(towers, name):
     """Every site on the dense kernel (one SDPA over the bucket's rows, segments and windows apart by separation
     columns): padded buckets, several images and a video equal the stock tower."""
@@ -318,7 +320,7 @@ def test_dense_sdpa_kernel_serves_the_tower_equal_to_the_stock_tower(towers, nam
     assert runtime.hits == 4  # the three calls and the warm-up's synthetic image
 
 
-@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] if THOROUGH else ["qwen2.5-vl"])
 def test_exact_size_choice_runs_the_compiled_tower_unpadded_equal_to_the_stock_tower(towers, name):
     """call_choice="exact_size": every call runs the compiled code at its own sizes (window index, offsets and
     position ids unpadded), no replay, equal to the stock tower."""

@@ -86,7 +86,8 @@ def declared_config(model_class: type) -> type | None:
 
 def _tower_of(module) -> tuple[type, type] | None:
     """The last-defined model class of ``module`` declaring a vision config (a tower wrapping another comes after
-    it: ``PaddleOCRVisionModel`` holds a ``PaddleOCRVisionTransformer``)."""
+    it: ``PaddleOCRVisionModel`` holds a ``PaddleOCRVisionTransformer``), ordered by where its ``forward`` is
+    defined (inside its class body)."""
     from transformers import PreTrainedModel
 
     found = []
@@ -95,7 +96,7 @@ def _tower_of(module) -> tuple[type, type] | None:
             continue
         config_class = declared_config(value)
         if inspect.isclass(config_class) and "Vision" in config_class.__name__ and "forward" in value.__dict__:
-            found.append((inspect.getsourcelines(value)[1], value, config_class))
+            found.append((inspect.unwrap(value.forward).__code__.co_firstlineno, value, config_class))
     return max(found, key=lambda entry: entry[0])[1:] if found else None
 
 
