@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import pathlib
 from typing import Iterator
 
 import torch
-from hypothesis import settings
 import torch.fx
 from torch._dynamo.testing import normalize_gm
 from torch._guards import detect_fake_mode
@@ -109,5 +109,6 @@ def benchmark_script(name: str):
     return module
 
 
-THOROUGH = settings.get_current_profile_name() == "thorough"
-"""Whether ``HYPOTHESIS_PROFILE=thorough`` runs: the tests that sweep many configs or every family run then."""
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+"""Whether ``HYPOTHESIS_PROFILE=thorough`` runs: the tests that sweep many configs or every family run then (read
+from the environment, so the test processes' own children, the gloo ranks, see it too)."""

@@ -31,7 +31,7 @@ def _run_directory(config) -> Path:
 def pytest_collection_finish(session):
     """Start the gloo groups the collected tests read, in the background (``gloo_group.py``)."""
     sizes = {item.callspec.params["gloo_group"] for item in session.items if "gloo_group" in item.fixturenames}
-    if sizes:
+    if sizes and not session.config.option.collectonly:
         from tests.hf.gloo_group import start
 
         start(sorted(sizes), _run_directory(session.config))
