@@ -25,6 +25,11 @@ options (JSON). With ``--profile``, each warm single process also profiles each 
 calls). With ``--memory``, a further warm single process records the allocator's history and reports where its peak
 went (``bench.memory``), so the timed starts run without the recording.
 
+With ``--interface-only``, each process of a packed tower times only its interface (the ``interface`` phase):
+the released-size tower is built on the meta device (the probe runs a shrunk tower of the same class and config
+on the host and never reads the tower's weights), cold (learned and saved) and warm (loaded), N processes at once
+(``interface_s``, the slowest per N). It needs no GPU.
+
 With ``--host-only``, one process per packed tower on its cache directory (which may exist: a second run serves
 from the saved build plan) measures the host time per call alone, plus the host time of a bare ``replay()`` of
 the bucket that serves each case (``replay_us``), and its device time (``device_ms``).
@@ -35,6 +40,7 @@ Writes ``benchmarks/results/startup_<device>.json`` (``--json`` to choose), afte
     python benchmarks/startup.py qwen2.5-vl --cache-dir /tmp/startup --processes 2 --gpus 2   # one GPU each
     python benchmarks/startup.py qwen2.5-vl qwen3-vl internvit-448 --cache-dir /tmp/s --tiny --json /tmp/s.json
     python benchmarks/startup.py qwen2-vl --cache-dir /tmp/startup --host-only --json PATH [--profile]
+    python benchmarks/startup.py qwen2.5-vl qwen3-vl --cache-dir /tmp/i --interface-only --processes 1 2 --json PATH
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import pstats
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -191,6 +198,25 @@ def one_start(
     return report
 
 
+def interface_start(tower_kind: str, resize: dict, barrier: tuple[str, int, int]) -> dict:
+    """One process's interface of the released-size ``tower_kind`` (built on the meta device): learned and saved in
+    the run's directory, or loaded from it."""
+    from vgraph_compile.counters import counters
+    from vgraph_compile.hf.tower_interfaces import tower_interface
+    from vgraph_compile.sample_models.qwen_towers import qwen_tower
+
+    with torch.device("meta"):
+        model = qwen_tower(tower_kind, device="meta", **resize)
+    _wait_for_all(*barrier)
+    before = counters.snapshot()
+    start = time.perf_counter()
+    tower_interface(model, Path(barrier[0]).parent / "interfaces")
+    seconds = time.perf_counter() - start
+    after = counters.snapshot()
+    counted = {name: after[name] - before[name] for name in ("probe_forwards", "interfaces_loaded")}
+    return {"interface_s": round(seconds, 3), **counted}
+
+
 def _case_input(config, case: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     from vgraph_compile.bench.workload import CASES_PX, to_grid
 
@@ -250,6 +276,7 @@ def _start_together(args, kind: str, directory: str, processes: int, start: str)
         command = [sys.executable, __file__, kind, "--one", "--cache-dir", directory, "--resize", args.resize]
         command += ["--options", args.options, "--barrier", barrier, str(rank), str(processes)]
         command += ["--tiny"] if args.tiny else []
+        command += ["--interface-only"] if args.interface_only else []
         command += ["--profile"] if args.profile and start == "warm" and processes == 1 else []
         command += ["--memory"] if start == "memory" else []
         gpu = {"CUDA_VISIBLE_DEVICES": gpus[rank % len(gpus)]}
@@ -268,6 +295,8 @@ def _start_together(args, kind: str, directory: str, processes: int, start: str)
 
 
 def _summary(reports: list[dict]) -> dict:
+    if "interface_s" in reports[0]:
+        return {"max_interface_s": max(report["interface_s"] for report in reports), "processes": reports}
     slowest = max(reports, key=lambda report: report["to_first_call_s"])
     return {
         "max_to_first_call_s": slowest["to_first_call_s"],
@@ -298,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="profile the warm process's host path per call")
     parser.add_argument("--memory", action="store_true", help="a further warm process: where its peak memory went")
     parser.add_argument("--host-only", action="store_true", help="host time per call only, one process per tower")
+    parser.add_argument("--interface-only", action="store_true", help="the interface phase only (no GPU needed)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     resize = json.loads(args.resize)
@@ -306,12 +336,17 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(host_only(args.towers[0], resize, args.profile)))
             return {}
         directory, rank, ranks = args.barrier
+        if args.interface_only:
+            print(json.dumps(interface_start(args.towers[0], resize, (directory, int(rank), int(ranks)))))
+            return {}
         alone = int(ranks) == 1
         report = one_start(args.towers[0], args.tiny, resize, json.loads(args.options), alone, args.profile,
                            args.memory, (directory, int(rank), int(ranks)))  # fmt: skip
         print(json.dumps(report))
         return {}
     report = {"torch": torch.__version__, "options": json.loads(args.options), "tiny": args.tiny, "towers": {}}
+    if args.interface_only:
+        report |= {"interface_only": True, "host_cores": os.cpu_count()}
     path = args.json
     if args.host_only:
         for kind in args.towers:
@@ -340,9 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
             alone = rows.get("1")
             for start in ("cold", "warm"):
                 if alone is not None:
-                    row[start]["slowdown_vs_one"] = round(
-                        row[start]["max_to_first_call_s"] / alone[start]["max_to_first_call_s"], 2
-                    )
+                    headline = "max_interface_s" if args.interface_only else "max_to_first_call_s"
+                    row[start]["slowdown_vs_one"] = round(row[start][headline] / alone[start][headline], 2)
             rows[str(processes)] = row
             print(json.dumps({kind: {processes: {start: {key: value for key, value in row[start].items()
                                                          if key != "processes"} for start in row}}}), flush=True)  # fmt: skip

@@ -367,9 +367,11 @@ def _verify(tower, layout: _Layout, plan: MetadataPlan, first: list, first_outpu
     return _Verified(type(expected), tuple(outputs), relations, grid_traced)
 
 
-PROBE_THREADS = 2
-"""Intra-op threads of the probe forwards at most: their tensors are small, and processes that start together
-(data-parallel ranks, replicas) must not oversubscribe the host's cores with them."""
+PROBE_THREADS = 1
+"""Intra-op threads of the probe forwards at most: their tensors are small (a second thread bought nothing on the
+released-size Qwen towers), and processes that start together (data-parallel ranks, replicas) must not
+oversubscribe the host's cores with them: two processes of two threads each on two cores learned Qwen3-VL's
+interface 9x slower than one alone (``benchmarks/results/startup_interface_cpu.json``)."""
 
 
 @contextlib.contextmanager
@@ -409,17 +411,18 @@ def learn_packed_tower(tower: torch.nn.Module, probe: torch.nn.Module | None = N
     video = [(2, 2 * merge, 4 * merge), (1, merge, merge)]
     images = [(1, 2 * merge, 4 * merge), (1, merge, merge)]
     video_failure = None
-    if probe is None:
-        probe = shrunk_tower(tower)
-    if probe is None:
-        probe = tower
-    with torch.no_grad(), routed_attention(probe), _probe_threads():
-        layout, plan, first_output = _record(probe, first)
-        try:
-            verified = _verify(probe, layout, plan, first, first_output, video)
-        except TowerRefused as refusal:
-            video_failure = str(refusal).split(": ", 1)[1]
-            verified = _verify(probe, layout, plan, first, first_output, images)
+    with _probe_threads():
+        if probe is None:
+            probe = shrunk_tower(tower)
+        if probe is None:
+            probe = tower
+        with torch.no_grad(), routed_attention(probe):
+            layout, plan, first_output = _record(probe, first)
+            try:
+                verified = _verify(probe, layout, plan, first, first_output, video)
+            except TowerRefused as refusal:
+                video_failure = str(refusal).split(": ", 1)[1]
+                verified = _verify(probe, layout, plan, first, first_output, images)
     plan = plan.bound(tower.config)
     geometry = _geometry(tower, plan)
     return PackedTower(
