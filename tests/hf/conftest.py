@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import THOROUGH
 from vgraph_compile.sample_models.qwen_towers import TOY_SIZES
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
@@ -45,11 +44,10 @@ def pytest_sessionfinish(session):
     finish()
 
 
-@pytest.fixture(scope="session", params=[2, 3] if THOROUGH else [2])
+@pytest.fixture(scope="session", params=[2, 3])
 def gloo_group(request):
     """(ranks, each rank's {check: "ok" or traceback}) from one group of gloo processes that ran the
-    multi-process checks of tests/hf (``tests/hf/gloo_group.py``); a group of 3 (an odd split) in the thorough
-    profile (the planners of each rank's share are property-tested over rank counts in-process)."""
+    multi-process checks of tests/hf (``tests/hf/gloo_group.py``)."""
     from tests.hf.gloo_group import results
 
     return results(request.param, _run_directory(request.config))
