@@ -1,4 +1,5 @@
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,10 +39,13 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    """This process's groups end before it does: other test processes may still read them."""
+    """This process's groups end before it does: other test processes may still read them. A run without workers
+    removes its own directory (pytest-xdist's is inside the run's base temp, which pytest rotates)."""
     from tests.hf.gloo_group import finish
 
     finish()
+    if not hasattr(session.config, "workerinput") and _run_directory.cache_info().currsize:
+        shutil.rmtree(_run_directory(session.config), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=[2, 3])
