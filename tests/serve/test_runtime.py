@@ -422,10 +422,24 @@ def test_the_choice_follows_the_cost_table(model, routed, lengths, stock_ms, cho
 def test_stock_is_timed_again_for_rows_far_from_its_timings(routed):
     """A stock timing at 40 rows stands for 33..50 rows; 60 rows in the same bucket is timed afresh."""
     compiled, runtime = routed
-    _table(runtime, {64: [(40, 100.0)]})
+    _table(runtime, {64: [(40, 0.5)]})
     with torch.no_grad():
         compiled(*pack_images([30, 30], 12))
     assert [rows for rows, _ in runtime.stock_ms[64]] == [40, 60]
+
+
+@pytest.mark.parametrize("timed, choice", [({16: [(10, 50.0)]}, PADDED), ({128: [(100, 50.0)]}, STOCK)])
+def test_stock_known_slower_on_fewer_rows_is_not_run_to_be_timed(model, routed, timed, choice):
+    """The stock module took 50 ms on 10 rows (bucket 16): a 60-row call (bucket 64, untimed there, replay 2.0 ms)
+    is padded, not run stock to be timed. A slow timing on more rows than the call's bounds nothing: the call runs
+    the stock module (its bucket's first, cold call)."""
+    compiled, runtime = routed
+    _table(runtime, timed)
+    inputs = pack_images([30, 30], 12)
+    before = runtime.choices.copy()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert runtime.choices - before == {choice: 1}
 
 
 @given(lengths=segments.filter(lambda lengths: sum(lengths) <= BUDGETS[-1]))

@@ -15,7 +15,10 @@ compiled code at the call's exact sizes with no graph (no padding, no replay: wh
 and the compile holds at those sizes), and, when the caller passes it (``stock``), the user's own module. The
 stock module is timed on real calls: the first two calls of a bucket that the caller lets it serve run it (the
 second timed: the first pays the stock code's cold start), and so does a later call whose rows are more than a
-quarter away from every call timed there; its time for a call is the nearest timed call's, scaled by rows. ``stats_table()`` counts each choice.
+quarter away from every call timed there; its time for a call is the nearest timed call's, scaled by rows. A call
+is not sent to the stock module to be timed where a timed stock call of no more rows (in any bucket: the stock
+work grows with the rows) already took longer than the call's cheapest other choice: a tower whose stock code is
+slow pays its timing once, not once per size. ``stats_table()`` counts each choice.
 
 Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
 CUDA the lock is released once the work is queued, not finished. Calls on one stream are ordered by it; a call on
@@ -288,9 +291,14 @@ class VGraphRuntime:
             return None
         return ms * max(rows, 1) / max(timed_rows, 1)
 
+    def _stock_floor(self, rows: int) -> float:
+        """The least the stock module can take on a call of ``rows``: the slowest stock call timed with no more rows,
+        in any bucket (0 before any)."""
+        return max((ms for samples in self.stock_ms.values() for timed, ms in samples if timed <= rows), default=0.0)
+
     def _route(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, stock: bool) -> tuple[str, _Split | None]:
         """How to run a call that fits ``bucket``: the fixed choice, or the cheapest by the cost table (``STOCK``
-        also where the stock module's time for the call is unknown: it is timed then)."""
+        also where the stock module's time for the call is unknown and could be the cheapest: it is timed then)."""
         if self.call_choice == "exact_size":
             return (EXACT if self._exact_allowed(bucket, plan) else PADDED), None
         if self.call_choice == "stock":
@@ -302,9 +310,10 @@ class VGraphRuntime:
                 options[EXACT] = self.costs.exact(plan.tokens)
             if stock:
                 estimate = self._stock_estimate(bucket.shape.budget, plan.tokens)
-                if estimate is None:
+                if estimate is not None:
+                    options[STOCK] = estimate
+                elif self._stock_floor(plan.tokens) < min(options.values()):
                     return STOCK, None
-                options[STOCK] = estimate
             route = min(options.items(), key=lambda option: option[1])
             if len(self._routes) >= _CHOICE_CACHE_SIZE:
                 self._routes.clear()
