@@ -178,6 +178,35 @@ def test_concurrent_callers_get_their_own_rows(one_block, inductor_compiled):
         assert list(pool.map(worker, range(4))) == [0, 0, 0, 0]
 
 
+def test_concurrent_callers_under_the_measured_choice_get_their_own_rows(model):
+    """call_choice switched to "measured" between calls (allowed): four threads calling at once find no cost
+    table, one measures it (filling and running every bucket) while the others wait; every result is eager-equal,
+    whichever way it was served, and no thread raises."""
+    import concurrent.futures
+
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
+    )
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+    runtime = compiled.vgraph.runtimes[0]
+    runtime.call_choice = "measured"
+
+    def worker(seed):
+        rng = random.Random(seed)
+        wrong = 0
+        for _ in range(10):
+            inputs = pack_images([rng.randint(1, 30) for _ in range(rng.randint(1, 4))], 12)
+            with torch.no_grad():
+                out, expected = compiled(*inputs), model(*inputs)
+            wrong += not torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+        return wrong
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(worker, range(4))) == [0, 0, 0, 0]
+    assert runtime.costs is not None and sum(runtime.choices.values()) == 40
+
+
 def test_nan_poisoned_buffers_never_reach_real_rows(one_block, inductor_compiled):
     """Every bucket buffer (shared storages included) filled with NaN before each call: real rows stay exact."""
     runtime = inductor_compiled.vgraph.runtimes[0]

@@ -173,7 +173,6 @@ class BucketFills:
 
     def __init__(self, bucket: Bucket, roles: Mapping[int, Role]) -> None:
         self.bucket = bucket
-        self.roles = roles
         self.rules = tuple((RULES[roles[index]], buffer, index) for index, buffer in bucket.buffers.items())
         """Per buffer: its role's rule, the buffer and its graph input index."""
         self.token_rules = tuple(rule for rule in self.rules if rule[2] in bucket.tokens)

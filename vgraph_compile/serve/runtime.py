@@ -146,9 +146,10 @@ class VGraphRuntime:
         self._exact: dict[tuple[int, ...], bool] = {}
         """Per call sizes: whether the compiled code may run at them (every size guard holds)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
+        """Per bucket budget: (rows, ms) of each timed stock call it would have served; replaced, never changed in
+        place (callers read it without the lock)."""
         self._stock_warm: set[int] = set()
         """Bucket budgets whose first stock call ran (untimed: cold); the next is timed."""
-        """Per bucket budget: (rows, ms) of each timed stock call it would have served."""
         self._split_floors: dict[int, float] = {}
         self._fills: dict[int, fills.BucketFills] = {}
         """Per bucket budget: its buffers' fills (made at the bucket's first call)."""
@@ -169,9 +170,13 @@ class VGraphRuntime:
         return True
 
     def _measure_costs(self) -> None:
-        """The cost table, once ``measured`` needs it and the graphs are captured."""
-        if self.call_choice == "measured" and self.costs is None and self.buckets and self.encoder.captured:
-            with startup_phases.phase("call_costs"):
+        """The cost table, once ``measured`` needs it and the graphs are captured; measured once, holding the lock
+        (it fills and runs the buckets)."""
+        if self.call_choice != "measured" or self.costs is not None or not self.buckets or not self.encoder.captured:
+            return
+        with self._lock, startup_phases.phase("call_costs"):
+            if self.costs is None:
+                self._on_call_stream()
                 self.costs = measure_call_costs(
                     self.buckets,
                     lambda bucket: bucket.run(self.encoder.compiled),
@@ -191,28 +196,28 @@ class VGraphRuntime:
         graphs hold collectives keep the buckets every one of them captured, so all choose alike."""
         with self._lock:
             self.encoder.keep_buckets(budgets)
-            self._chosen.clear()
-            self._views.clear()
-            self._routes.clear()
+            self._forget_buckets()
 
     def release(self) -> None:
         """Reset every captured graph (``CompiledEncoder.release``); later calls run eagerly."""
         with self._lock:
             self.encoder.release()
-            self._chosen.clear()
-            self._views.clear()
-            self._routes.clear()
+            self._forget_buckets()
 
-    def _measured_costs(self) -> CallCosts:
-        """The cost table of this runtime's buckets, measured now."""
-        return measure_call_costs(
-            self.buckets,
-            lambda bucket: bucket.run(self.encoder.compiled),
-            self.encoder.eager,
-            self.spec,
-            self.encoder.roles,
-            self.device,
-        )
+    def _forget_buckets(self) -> None:
+        """Drop every cache that holds a bucket, its buffers or a choice among the buckets (under the lock)."""
+        for cache in (self._chosen, self._views, self._routes, self._exact, self._fills, self._staged):
+            cache.clear()
+        self._split_floors.clear()
+
+    def _on_call_stream(self) -> None:
+        """Order this call's work after the previous call's (under the lock): a call on another stream than the
+        previous one's first waits for everything queued there, its copy-out included."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            if self._last_stream is not None and stream != self._last_stream:
+                stream.wait_stream(self._last_stream)
+            self._last_stream = stream
 
     # -- per call ----------------------------------------------------------------------------------------------
 
@@ -350,7 +355,7 @@ class VGraphRuntime:
 
     def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
-        fresh tensors at the call's sizes."""
+        fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too."""
         layout = self.encoder.record.layout
         values = self._exact_values(bucket, plan)
         inputs = list(bucket.inputs)
@@ -358,7 +363,9 @@ class VGraphRuntime:
             inputs[index] = args[index].contiguous()
         for index, expr in layout.sizes.items():
             inputs[index] = evaluate(expr, values, "a size input")
-        return list(self.encoder.compiled(inputs))
+        with self._lock:
+            self._on_call_stream()
+            return list(self.encoder.compiled(inputs))
 
     def _run_stock(self, stock: Callable[[], Any], budget: int, rows: int) -> StockServed:
         """The stock module on the call; timed (and the routes recomputed) when ``measured`` has no timing that
@@ -370,8 +377,9 @@ class VGraphRuntime:
             return StockServed(stock())
         served: list[Any] = []
         ms = median_ms(lambda: served.append(stock()), self.device, repeats=1, warm=False)
-        self.stock_ms.setdefault(budget, []).append((rows, ms))
-        self._routes.clear()
+        with self._lock:
+            self.stock_ms = {**self.stock_ms, budget: [*self.stock_ms.get(budget, ()), (rows, ms)]}
+            self._routes.clear()
         return StockServed(served[-1])
 
     def _miss(self, reason: str, args: Sequence[Any], detail: str = "") -> Any:
@@ -475,11 +483,7 @@ class VGraphRuntime:
         """Serve one call by ``bucket``: fill (by the staged bytes of ``key``, when given), replay, narrow and copy
         out, holding the lock. A split call's halves pass no key: their metadata is not the key's."""
         with self._lock:
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
-                if self._last_stream is not None and stream != self._last_stream:
-                    stream.wait_stream(self._last_stream)  # after the previous call's copy-out, queued there
-                self._last_stream = stream
+            self._on_call_stream()
             self._fill(bucket, args, plan, key)
             results = self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
             bucket.stats.hits += 1
