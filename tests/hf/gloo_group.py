@@ -159,7 +159,7 @@ def _rank(rank: int, ranks: int, directory: str) -> None:
     """Run the checks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (before each collective, the ranks compare what they
     are about to issue, and a mismatch raises), close the compiled towers and time ``destroy_process_group``."""
     torch.set_num_threads(1)
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level(dist.DebugLevel.DETAIL)  # the variable is read when torch.distributed is imported
     dist.init_process_group(
         "gloo",
         init_method=f"file://{directory}/init",

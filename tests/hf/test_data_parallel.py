@@ -141,10 +141,31 @@ def _vlm_greedy_tokens_equal_stock(group):
     assert calls == {"data": calls["data"]} and calls["data"] >= 2  # images and video, data parallel
 
 
+def _collectives_are_compared_across_ranks(group):
+    """The group runs under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: an all-reduce whose shape differs by rank raises
+    on every rank before it is issued (so a check that let ranks issue different collectives fails, not hangs),
+    and the group serves the next collective."""
+    assert dist.get_debug_level() == dist.DebugLevel.DETAIL
+    with pytest.raises(RuntimeError, match="Detected mismatch between collectives"):
+        dist.all_reduce(torch.ones(1 + dist.get_rank(group)), group=group)
+    total = torch.ones(2)
+    dist.all_reduce(total, group=group)
+    assert total.tolist() == [dist.get_world_size(group)] * 2
+
+
 CHECKS = {
-    2: [_towers_equal_single_process, _mismatched_batches_raise_on_every_rank, _vlm_greedy_tokens_equal_stock],
-    3: [_towers_equal_single_process, _mismatched_batches_raise_on_every_rank],
+    2: [
+        _collectives_are_compared_across_ranks,
+        _towers_equal_single_process,
+        _mismatched_batches_raise_on_every_rank,
+        _vlm_greedy_tokens_equal_stock,
+    ],
+    3: [_collectives_are_compared_across_ranks, _towers_equal_single_process, _mismatched_batches_raise_on_every_rank],
 }
+
+
+def test_collectives_are_compared_across_ranks(gloo_group):
+    assert_passed(gloo_group, _collectives_are_compared_across_ranks, CHECKS)
 
 
 def test_towers_equal_single_process(gloo_group):
