@@ -4,8 +4,8 @@ op, fp32) on packed calls of one image, several, and a video where the family ta
 first replays (a fall back to eager fails the test); a NaN image stays in its rows; concurrent callers get their own
 rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``."""
 
+import concurrent.futures
 import re
-import threading
 
 import pytest
 import torch
@@ -113,22 +113,17 @@ def test_concurrent_callers_get_their_own_rows():
     calls = [tower_call("cosmos3_edge", tower, grid) for grid in ([(1, 4, 4)] * 3, [(1, 8, 6), (1, 2, 2)])]
     with torch.no_grad(), routed_attention(tower):
         expected = [tower(*args, **kwargs).last_hidden_state for args, kwargs in calls]
-    failures = []
 
     def run(index):
         args, kwargs = calls[index]
-        for _ in range(5):
-            with torch.no_grad():
-                out = served(*args, **kwargs).last_hidden_state
-            if out.shape != expected[index].shape or not torch.allclose(out, expected[index], atol=1e-5):
-                failures.append(index)
+        with torch.no_grad():
+            return [served(*args, **kwargs).last_hidden_state for _ in range(5)]
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not failures
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # a thread's exception is raised here
+        results = list(pool.map(run, (0, 1)))
+    for outs, want in zip(results, expected):
+        for out in outs:
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
