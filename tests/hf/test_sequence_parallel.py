@@ -194,6 +194,19 @@ def _vlm_greedy_tokens_equal_stock(group):
     assert calls == {"sequence": calls["sequence"]} and calls["sequence"] >= 2
 
 
+def _moving_the_tower_releases_its_sequence_graphs(group):
+    """``.float()`` (any ``.to()``) makes the tower trace again: its sequence-parallel graphs, which hold the
+    group's communicator, are released first, not dropped while alive."""
+    tower = compiled("qwen2.5-vl", group)
+    with parallel(tower, "sequence"), torch.no_grad():
+        tower(*inputs(tower, [(1, 16, 16)], 0))
+    runtimes = tower.sequence_graphs.compiled.vgraph.runtimes
+    assert runtimes and all(runtime.buckets for runtime in runtimes)
+    tower.float()
+    assert tower.sequence_graphs is None
+    assert all(runtime.buckets == [] for runtime in runtimes)
+
+
 CHECKS = {
     2: [
         _towers_equal_stock,
@@ -201,9 +214,14 @@ CHECKS = {
         _auto_counts_choices_and_mismatch_raises,
         _auto_stream_stays_in_step,
         _vlm_greedy_tokens_equal_stock,
+        _moving_the_tower_releases_its_sequence_graphs,
     ],
     3: [_towers_equal_stock, _auto_stream_stays_in_step],
 }
+
+
+def test_moving_the_tower_releases_its_sequence_graphs(gloo_group):
+    assert_passed(gloo_group, _moving_the_tower_releases_its_sequence_graphs, CHECKS)
 
 
 def test_towers_equal_stock(gloo_group):

@@ -132,7 +132,10 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         self._reset()
 
     def _reset(self) -> None:
-        """A fresh vgraph encoder (traced on its first call) and an empty metadata cache."""
+        """A fresh vgraph encoder (traced on its first call) and an empty metadata cache; sequence-parallel graphs
+        are released first (they hold the process group's communicator)."""
+        if self.__dict__.get("sequence_graphs") is not None:
+            self.close()
         config = replace(self.vgraph_config, window_offsets=traced_window_offsets(self.vgraph_config))
         self.__dict__["compiled"] = self._encoder(config)
         self.__dict__["parameter"] = next(self.tower.parameters())
