@@ -91,11 +91,12 @@ def _image_url(seed: int, height: int, width: int) -> str:
 
 
 def _ask(port: int, model: str, index: int) -> str:
-    """One streamed chat completion with its own image (its own size) and text: the answer's text."""
+    """One streamed chat completion with its own image (its own size) and the same text as every other request:
+    the answer's text (answers that differ differ by their image)."""
     client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="none", max_retries=0)
     content = [
         {"type": "image_url", "image_url": {"url": _image_url(index, 40 + 24 * index, 96 - 12 * index)}},
-        {"type": "text", "text": f"t{index + 10} t7"},
+        {"type": "text", "text": "t10 t7"},
     ]
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}], stream=True, max_tokens=4, temperature=0
@@ -113,7 +114,7 @@ def test_precompiled_server_answers_concurrent_streams_as_the_stock_server(model
     """vgraph precompile saves the tower's plans; vgraph serve with them starts with no trace and no compile. Four
     requests with different images in flight at once, to it and to the stock transformers serve of the same
     directory: every answer (greedy, streamed) is the stock server's for the same request, the answers differ from
-    request to request (an image reaching another request would show), and the tower's buckets served the
+    request to request with the same text (so by their images: an image reaching another request would show), and the tower's buckets served the
     warm-up's two calls and one call per request."""
     name, artifacts = str(model_dir), str(tmp_path / "artifacts")
     stock = Server(["-c", STOCK, name], tmp_path / "stock.log")
