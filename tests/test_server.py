@@ -114,8 +114,8 @@ def test_precompiled_server_answers_concurrent_streams_as_the_stock_server(model
     """vgraph precompile saves the tower's plans; vgraph serve with them starts with no trace and no compile. Four
     requests with different images in flight at once, to it and to the stock transformers serve of the same
     directory: every answer (greedy, streamed) is the stock server's for the same request, the answers differ from
-    request to request with the same text (so by their images: an image reaching another request would show), and the tower's buckets served the
-    warm-up's two calls and one call per request."""
+    request to request though their text is the same (so by their images: an image reaching another request would
+    show), and the tower's buckets served the warm-up's two calls and one call per request."""
     name, artifacts = str(model_dir), str(tmp_path / "artifacts")
     stock = Server(["-c", STOCK, name], tmp_path / "stock.log")
     vgraph = None

@@ -16,7 +16,9 @@ from tests.hf import test_block_graphs
 from tests.hf.test_families import REFUSED
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
-SERVED = sorted(set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED))
+SERVED = sorted(
+    set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED)
+)
 """The families served by the whole-tower graph (the block-graph tier's are drawn in ``test_block_graphs``)."""
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
