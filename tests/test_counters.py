@@ -40,8 +40,8 @@ def test_a_snapshot_is_a_copy():
 
 
 def test_a_nested_phase_is_counted_under_its_own_name_only():
-    """The trace holds a compile: the two phases add up to the wall time of the whole, and the compile's sleep is
-    not counted in the trace too."""
+    """The trace holds a compile: each phase holds at least its own sleep, and together they hold no more than the
+    wall time of the whole (the compile's sleep counted in the trace too would exceed it)."""
     phases = StartupPhases()
     start = time.perf_counter()
     with phases.phase("trace"):
@@ -51,7 +51,7 @@ def test_a_nested_phase_is_counted_under_its_own_name_only():
     whole = time.perf_counter() - start
     seconds = phases.snapshot()
     assert seconds["compile"] >= 0.05 and seconds["trace"] >= 0.02
-    assert seconds["trace"] + seconds["compile"] == pytest.approx(whole, abs=0.01)
+    assert seconds["trace"] + seconds["compile"] <= whole
 
 
 def test_a_phase_repeated_adds_up():
