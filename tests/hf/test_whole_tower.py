@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import THOROUGH
+from tests.helpers import THOROUGH, counter_changes
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.whole_tower import asks_nothing
@@ -101,6 +101,15 @@ def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, mes
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
     with torch.no_grad(), pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):
         compiled["qwen2-vl"](torch.randn(16, width, dtype=torch.float64), torch.tensor([(1, 4, 4)]))
+
+
+def test_a_budget_the_tower_cannot_take_raises_not_a_slower_tier(towers):
+    """A token budget that is no multiple of a merge unit (2 x 2 patches) is the caller's error: a ValueError
+    naming it, before any compile, not the block-graph tier standing in for a tower that traces whole."""
+    served = compile_vision_tower(towers["qwen2-vl"], token_budgets=[250], compiler="eager", attention_backend="sdpa")
+    with counter_changes() as changes, torch.no_grad(), pytest.raises(ValueError, match="budget 250 breaks"):
+        served.warmup()
+    assert changes["compiles"] == 0 and served.replacement is None
 
 
 @pytest.mark.parametrize("name, patch_width, deepstack", [("qwen2-vl", 1176, None), ("qwen3-vl", 1536, 1)])

@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from vgraph_compile.analyze.bounds import BudgetRefused
 from vgraph_compile.compile import artifacts
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import startup_phases
@@ -246,6 +247,8 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         try:
             with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
                 self._run(pixel_values, grid)
+        except BudgetRefused:  # the caller's token_budgets, not the tower: said as it is, before any compile
+            raise
         except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
             if self.trace_refused is None or self.process_group is not None:
                 raise
