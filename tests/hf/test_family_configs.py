@@ -19,7 +19,8 @@ from vgraph_compile.sample_models.vision_utils_towers import vision_utils_famili
 SERVED = sorted(
     set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED)
 )
-"""The families served by the whole-tower graph (the block-graph tier's are drawn in ``test_block_graphs``)."""
+"""The families served by the whole-tower graph; the block-graph tier's are tested on one tiny config each in
+``test_block_graphs`` (drawing their configs is not built: ``check_served`` reads the whole-tower encoder)."""
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

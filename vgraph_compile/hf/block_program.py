@@ -409,7 +409,8 @@ def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, g
     """One run's calls, each leaf with its source; ``BlocksRefused`` where a block takes a host list or another
     block's output than the previous one's."""
     inputs: dict[tuple[str, Any], int] = {}
-    """("tensor", id) or ("int", value) -> the input's position, in first-use order."""
+    """("tensor", id) or ("int", block, leaf position) -> the input's position, in first-use order: a tensor passed to
+    several blocks is one input; every int is its own (two ints equal on the recorded call may differ later)."""
     calls = []
     if events[0].reads_host_list:  # a block of its own (``_runs``), run as written
         host_list = _host_list((events[0].args, events[0].kwargs))
@@ -426,7 +427,7 @@ def _segment(path: str, events: list[_Event], in_position: int, outputs: dict, g
                     raise BlocksRefused(f"block {event.index} of {path} reads the output of block {producer[1]}")
                 sources.append(Leaf("input", inputs.setdefault(("tensor", id(leaf)), len(inputs))))
             elif type(leaf) is int:
-                sources.append(Leaf("input", inputs.setdefault(("int", leaf), len(inputs))))
+                sources.append(Leaf("input", inputs.setdefault(("int", event.index, position), len(inputs))))
             elif _is_host_list(leaf):
                 sources.append(Leaf("unread", value=list(leaf)))
             else:
