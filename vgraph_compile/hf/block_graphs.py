@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
-from vgraph_compile.entry.decorator import encoder
+from vgraph_compile.entry.decorator import CompiledEncoderFunction
 from vgraph_compile.hf.attention import routed_attention, routed_config
 from vgraph_compile.hf.block_program import (
     BlockProgram,
@@ -274,7 +274,9 @@ class CompiledBlockTower(TowerStandIn):
             values = (hidden, *inputs)
             squeezed = tuple(_squeezed(value) for value in values)
             stack = BlockStack(blocks[segment.first : segment.stop], segment, program.output_leaf, squeezed)
-            compiled.append(encoder(stack, config=self.vgraph_config))
+            compiled.append(
+                CompiledEncoderFunction(stack, self.vgraph_config, around_trace=lambda: routed_attention(self.tower))
+            )
             try:
                 compiled[-1](*(value[0] if squeeze else value for value, squeeze in zip(values, squeezed)))
             except Exception as error:
@@ -327,8 +329,7 @@ class CompiledBlockTower(TowerStandIn):
         values = (call.hidden, *call.inputs)
         if tuple(_squeezed(value) for value in values) != stack.squeezed:
             raise _OffProgram("an input of the stack changed its leading dim")
-        with routed_attention(self.tower):  # a call the hot path cannot take traces again, through vgraph's op
-            hidden = compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, stack.squeezed)))
+        hidden = compiled(*(value[0] if squeeze else value for value, squeeze in zip(values, stack.squeezed)))
         leaves[program.output_leaf] = hidden[None] if stack.squeezed[0] else hidden
         return pytree.tree_unflatten(leaves, program.output_spec)
 
