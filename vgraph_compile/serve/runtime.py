@@ -143,8 +143,9 @@ class VGraphRuntime:
         self._routes: dict[tuple[tuple[int, ...], bool], tuple[str, float]] = {}
         """Per (call sizes, stock offered): the cheapest of padding, the exact size and the stock module, and its
         cost (a split depends on the offsets' values)."""
-        self._exact: dict[tuple[int, ...], bool] = {}
-        """Per call sizes: whether the compiled code may run at them (every size guard holds)."""
+        self._exact: dict[tuple[int, ...], dict[int, int] | None] = {}
+        """Per call sizes: the size inputs of the compiled code at them, or None where it may not run at them (a size
+        guard fails there)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
         """Per bucket budget: (rows, ms) of each timed stock call it would have served; replaced, never changed in
         place (callers read it without the lock)."""
@@ -343,26 +344,32 @@ class VGraphRuntime:
     def _exact_allowed(self, bucket: Bucket, plan: CallPlan) -> bool:
         """Whether the compiled code may run at the call's sizes: every size guard of its trace and compile holds
         there (known at build; unknown guards allow nothing)."""
-        allowed = self._exact.get(plan.key)
-        if allowed is None:
-            guards = self.encoder.record.size_guards
-            values = self._exact_values(bucket, plan)
-            allowed = guards is not None and all(substitute(guard, values) == sympy.true for guard in guards)
-            if len(self._exact) >= _CHOICE_CACHE_SIZE:
-                self._exact.clear()
-            self._exact[plan.key] = allowed
-        return allowed
+        return self._exact_sizes(bucket, plan) is not None
+
+    def _exact_sizes(self, bucket: Bucket, plan: CallPlan) -> dict[int, int] | None:
+        """The compiled code's size inputs at the call's sizes, worked out once per call sizes; None where a size
+        guard fails there."""
+        if plan.key in self._exact:
+            return self._exact[plan.key]
+        guards = self.encoder.record.size_guards
+        values = self._exact_values(bucket, plan)
+        sizes = None
+        if guards is not None and all(substitute(guard, values) == sympy.true for guard in guards):
+            layout = self.encoder.record.layout
+            sizes = {index: evaluate(expr, values, "a size input") for index, expr in layout.sizes.items()}
+        if len(self._exact) >= _CHOICE_CACHE_SIZE:
+            self._exact.clear()
+        self._exact[plan.key] = sizes
+        return sizes
 
     def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
         fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too."""
-        layout = self.encoder.record.layout
-        values = self._exact_values(bucket, plan)
         inputs = list(bucket.inputs)
-        for index in layout.copied:
+        for index in self.encoder.record.layout.copied:
             inputs[index] = args[index].contiguous()
-        for index, expr in layout.sizes.items():
-            inputs[index] = evaluate(expr, values, "a size input")
+        for index, size in self._exact_sizes(bucket, plan).items():
+            inputs[index] = size
         with self._lock:
             self._on_call_stream()
             return list(self.encoder.compiled(inputs))
