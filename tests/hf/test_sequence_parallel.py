@@ -29,7 +29,7 @@ from tests.hf.gloo_group import (
     vlm_equals_stock,
 )
 from vgraph_compile.geometry import VisionGeometry
-from vgraph_compile.hf.sequence_parallel import Split, split_rows
+from vgraph_compile.hf.sequence_parallel import Split, localize, split_rows
 
 WINDOWED = VisionGeometry(patch_size=14, spatial_merge_size=2, window_size=112)
 """Qwen2.5-VL's geometry: windows of 8 x 8 patches, so a band of whole windows is 8 patch rows."""
@@ -218,6 +218,17 @@ CHECKS = {
     ],
     3: [_towers_equal_stock, _auto_stream_stays_in_step],
 }
+
+
+def test_a_row_index_leaving_any_slice_raises_on_every_rank():
+    """Rank 1's rows of a row index read row 3, in rank 0's slice: both ranks raise (each checks every slice), so
+    no rank enters the all-to-all the other skips."""
+    split = Split(((1, 4, 4),), 16, 2, 8)
+    index = torch.arange(16)
+    index[12] = 3
+    for rank in range(2):
+        with pytest.raises(RuntimeError, match="outside rank 1's slice"):
+            localize({"order": index}, {("order", 0): 1}, (), split, rank)
 
 
 def test_moving_the_tower_releases_its_sequence_graphs(gloo_group):

@@ -119,18 +119,22 @@ def _local_windows(offsets: torch.Tensor, start: int, stop: int, slice_rows: int
 
 def _local_rows(value: torch.Tensor, per_row: int, split: Split, rank: int) -> torch.Tensor:
     """Rows of a row-aligned part for this rank's slice, padded: a 1-D integer part (a row index) shifted to local
-    rows with its padding mapped onto itself; any other part padded with zeros (a valid position or table row)."""
-    start, stop = (row // per_row for row in split.rows(rank))
+    rows with its padding mapped onto itself; any other part padded with zeros (a valid position or table row). A
+    row index that leaves any rank's slice raises, on every rank alike (each checks every slice, not its own)."""
     size = split.slice_rows // per_row
+    if value.dim() == 1 and not value.is_floating_point():
+        for other in range(split.ranks):
+            first, last = (row // per_row for row in split.rows(other))
+            rows = value[first:last]
+            if len(rows) and (int(rows.min()) < first or int(rows.max()) >= last):
+                raise RuntimeError(
+                    f"a row index of the tower's metadata reads rows outside rank {other}'s slice [{first}, {last}): "
+                    "the tower mixes rows beyond its attention, which sequence-parallel encoding does not cover"
+                )
+    start, stop = (row // per_row for row in split.rows(rank))
     mine = value[start:stop]
     if value.dim() == 1 and not value.is_floating_point():
-        mine = mine - start
-        if len(mine) and (int(mine.min()) < 0 or int(mine.max()) >= stop - start):
-            raise RuntimeError(
-                f"a row index of the tower's metadata reads rows outside this rank's slice [{start}, {stop}): the "
-                "tower mixes rows beyond its attention, which sequence-parallel encoding does not cover"
-            )
-        return torch.cat([mine, torch.arange(stop - start, size, dtype=value.dtype)])
+        return torch.cat([mine - start, torch.arange(stop - start, size, dtype=value.dtype)])
     return torch.cat([mine, mine.new_zeros(size - (stop - start), *value.shape[1:])])
 
 
