@@ -108,3 +108,18 @@ def test_the_saved_key_follows_the_code_that_shapes_it(tmp_path, path, edit, kep
     edited.write_text(edit(edited.read_text()))
     artifacts.sources_hash.cache_clear()
     assert (artifacts.sources_hash(package) == before) is kept
+
+
+def test_a_loaded_artifact_keeps_its_size_guards(tmp_path):
+    """A later trace that loads the compiled code from its artifact (the build plans gone) knows the compile's size
+    guards, as the process that compiled it did: its calls run at their exact sizes under ``exact_size``, equal to
+    eager, instead of falling back to padding for want of guards."""
+    _serve(tmp_path, seed=0, call_choice="exact_size")
+    for plan in tmp_path.glob("*.plan*"):
+        plan.unlink()
+    exact = "compiled code at the exact size"
+    with counters.expect(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, plans_saved=2,
+                         artifacts_loaded=1):  # fmt: skip
+        _serve(tmp_path, seed=0, call_choice="exact_size")
+    (runtime,) = [runtime for runtime in vgraph_compile.runtimes() if runtime.call_choice == "exact_size"][-1:]
+    assert runtime.encoder.record.size_guards is not None and runtime.choices[exact] == len(CALLS)

@@ -52,10 +52,14 @@ ENVIRONMENT_VARIABLE = "VGRAPH_ARTIFACT_DIR"
 
 @dataclass(frozen=True)
 class Artifact:
-    """A loaded artifact: the compiled code and the budgets it serves."""
+    """A loaded artifact: the compiled code, the budgets it serves, and what its compile found about sizes."""
 
     compiled: Callable[..., Any]
     served: tuple[int, ...]
+    guards: tuple[str, ...] | None = None
+    """Every size guard of the trace and the compile, as text (None: saved without them)."""
+    dropped: tuple[tuple[int, str], ...] = ()
+    """The budgets the compile dropped, each with its reason."""
 
 
 def available() -> bool:
@@ -220,7 +224,9 @@ def load(directory: Path, key: str) -> Artifact | None:
 
     def parse(binary: Path, meta: dict) -> Artifact:
         compiled = torch._inductor.CompiledArtifact.load(path=str(binary), format="binary")
-        return Artifact(compiled, tuple(int(budget) for budget in meta["served"]))
+        guards = tuple(meta["guards"]) if meta.get("guards") is not None else None
+        dropped = tuple((int(budget), str(reason)) for budget, reason in meta.get("dropped", ()))
+        return Artifact(compiled, tuple(int(budget) for budget in meta["served"]), guards, dropped)
 
     artifact = _read(directory / f"{key}.bin", "compiled artifact", key, parse)
     if artifact is not None:
@@ -228,13 +234,22 @@ def load(directory: Path, key: str) -> Artifact | None:
     return artifact
 
 
-def save(directory: Path, key: str, artifact: Any, served: tuple[int, ...]) -> bool:
-    """Save ``artifact`` (a ``CompiledArtifact``) under ``key``; False (logged) when it cannot be saved."""
+def save(
+    directory: Path,
+    key: str,
+    artifact: Any,
+    served: tuple[int, ...],
+    guards: tuple[str, ...],
+    dropped: tuple[tuple[int, str], ...] = (),
+) -> bool:
+    """Save ``artifact`` (a ``CompiledArtifact``) under ``key`` with what its compile found about sizes (``Artifact``);
+    False (logged) when it cannot be saved."""
 
     def write(binary: Path) -> None:
         artifact.save(path=str(binary), format="binary")
 
-    return _write(directory / f"{key}.bin", "compiled artifact", key, write, served=list(served))
+    extra = {"served": list(served), "guards": list(guards), "dropped": [list(entry) for entry in dropped]}
+    return _write(directory / f"{key}.bin", "compiled artifact", key, write, **extra)
 
 
 def load_plan(directory: Path, key: str) -> Any:

@@ -56,7 +56,7 @@ class CompileResult(NamedTuple):
     """The key of the saved artifact holding the compiled code (None: not on disk, a later process compiles)."""
     guards: tuple[sympy.Expr, ...] | None = None
     """Every size guard of the trace and the compile (``size_guards``): the compiled code runs at any sizes where
-    all hold. None when unknown (code loaded from an artifact, whose compile's guards were not kept)."""
+    all hold. None when unknown (an artifact saved without them)."""
 
 
 def size_guards(ctx: PassContext) -> tuple[sympy.Expr, ...]:
@@ -71,16 +71,24 @@ def size_guards(ctx: PassContext) -> tuple[sympy.Expr, ...]:
     return tuple(guards)
 
 
-def load_compiled(config: "VGraphConfig", key: str) -> tuple[CompiledFn, tuple[int, ...]] | None:
-    """The compiled code saved under ``key`` in the config's artifact directory and the budgets it serves; None
-    when absent or unusable."""
+def load_compiled(config: "VGraphConfig", key: str) -> tuple[CompiledFn, artifacts.Artifact] | None:
+    """The compiled code saved under ``key`` in the config's artifact directory, and the artifact (the budgets it
+    serves, its size guards); None when absent or unusable."""
     directory = artifacts.artifact_dir(config) if artifacts.available() else None
     loaded = artifacts.load(directory, key) if directory is not None else None
     if loaded is None:
         return None
     counters.artifacts_loaded += 1
     compiled = loaded.compiled
-    return (lambda inputs: compiled(*inputs)), loaded.served
+    return (lambda inputs: compiled(*inputs)), loaded
+
+
+def _parsed_guards(texts: tuple[str, ...] | None, ctx: PassContext) -> tuple[sympy.Expr, ...] | None:
+    """Saved guards read back in this trace's symbols (the same trace names its sizes alike); None when unknown."""
+    if texts is None:
+        return None
+    symbols = {str(symbol): symbol for bucket in ctx.buckets for symbol in bucket.values}
+    return tuple(sympy.sympify(text, locals=symbols) for text in texts)
 
 
 def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
@@ -150,8 +158,10 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
     key = artifacts.artifact_key(gm, ctx) if directory is not None else None
     loaded = load_compiled(ctx.config, key) if key is not None else None
     if loaded is not None:
-        run, served = loaded
-        return CompileResult(run, [bucket for bucket in ctx.buckets if bucket.budget in served], key)
+        run, artifact = loaded
+        ctx.dropped.extend(DroppedBucket(budget, reason) for budget, reason in artifact.dropped)
+        shapes = [bucket for bucket in ctx.buckets if bucket.budget in artifact.served]
+        return CompileResult(run, shapes, key, _parsed_guards(artifact.guards, ctx))
     guards_before, replacements_before = len(ctx.shape_env.guards), dict(ctx.shape_env.replacements)
     pinned_before = bounds.pinned_sizes(ctx)
     start = time.perf_counter()
@@ -170,21 +180,24 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
         )
         shapes = bounds.bucket_shapes(ctx, drop_refused=True)
         counters.buckets_dropped += len(ctx.buckets) - len(shapes)
-    served = []
+    served, dropped = [], []
     for bucket in shapes:
         failed = [(guard, origin) for guard, origin in added if _holds(guard, bucket, ctx.shape_env) is False]
         if failed:
             reason = "the compiled code assumes " + "; ".join(
                 f"{ctx.spec.describe_expr(guard)} (from {origin})" for guard, origin in failed
             ) + ", which fails at that size"
-            ctx.dropped.append(DroppedBucket(bucket.budget, reason))
+            dropped.append((bucket.budget, reason))
             log.warning("budget %d dropped: %s", bucket.budget, reason)
             counters.buckets_dropped += 1
             continue
         served.append(bucket)
+    ctx.dropped.extend(DroppedBucket(budget, reason) for budget, reason in dropped)
+    guards = size_guards(ctx)
     saved = None
     if directory is not None and artifact is not None and pinned == pinned_before:
-        if artifacts.save(directory, key, artifact, tuple(bucket.budget for bucket in served)):
+        budgets = tuple(bucket.budget for bucket in served)
+        if artifacts.save(directory, key, artifact, budgets, tuple(map(str, guards)), tuple(dropped)):
             counters.artifacts_saved += 1
             saved = key
-    return CompileResult(compiled, served, saved, size_guards(ctx))
+    return CompileResult(compiled, served, saved, guards)
