@@ -115,8 +115,9 @@ def _towers_equal_single_process(group):
 
 
 def _mismatched_batches_raise_on_every_rank(group):
-    """Different item order on rank 0, then float64 pixels on the last rank only: every rank raises a ValueError
-    before the gather (the last rank its own input error), and the group serves the next call."""
+    """Different item order on rank 0, then float64 pixels, then a numpy array, on the last rank only: every rank
+    raises a ValueError before the gather (the last rank its own input error), and the group serves the next
+    call."""
     tower = compiled("qwen2.5-vl", group)
     rank, last = dist.get_rank(group), dist.get_world_size(group) - 1
     grid = [(1, 8, 4), (1, 8, 8)]
@@ -127,6 +128,9 @@ def _mismatched_batches_raise_on_every_rank(group):
     message = "is torch.float64 on cpu but the tower is torch.float32" if rank == last else "different grid_thw"
     with torch.no_grad(), pytest.raises(ValueError, match=message):
         tower(pixel_values.double() if rank == last else pixel_values, grid_thw)
+    message = "must be a torch.Tensor, got ndarray" if rank == last else "different grid_thw"
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        tower(pixel_values.numpy() if rank == last else pixel_values, grid_thw)
     with torch.no_grad():
         out, alone = tower(pixel_values, grid_thw), single(tower, pixel_values, grid_thw)
     torch.testing.assert_close(out.last_hidden_state, alone.last_hidden_state, rtol=1e-5, atol=1e-5)

@@ -101,6 +101,8 @@ def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, mes
         compiled["qwen2-vl"](torch.randn(rows, width), torch.tensor(grid))
     with torch.no_grad(), pytest.raises(ValueError, match="is torch.float64 on cpu but the tower is torch.float32"):
         compiled["qwen2-vl"](torch.randn(16, width, dtype=torch.float64), torch.tensor([(1, 4, 4)]))
+    with torch.no_grad(), pytest.raises(ValueError, match="hidden_states must be a torch.Tensor, got ndarray"):
+        compiled["qwen2-vl"](torch.randn(16, width).numpy(), torch.tensor([(1, 4, 4)]))
 
 
 def test_a_budget_the_tower_cannot_take_raises_not_a_slower_tier(towers):

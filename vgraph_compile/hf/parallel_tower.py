@@ -70,7 +70,7 @@ class ParallelTower:
         group = self.process_group
         try:
             (pixel_values, grid), refused = self._check(pixel_values, grid_thw), None
-        except ValueError as error:
+        except Exception as error:  # whatever one rank's input raises, every rank learns it refused, and raises
             grid, refused = [], error
         key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
         agreed = data_parallel.same_batch(key, *data_parallel.check_group(group, self.parameter.device))

@@ -181,6 +181,8 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
     ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """(the pixel rows packed along dim 0, the grid), or a ValueError in the tower's argument names."""
         pixels, grid_name = self.pixel_argument, self.interface.grid_argument
+        if not isinstance(pixel_values, torch.Tensor):
+            raise ValueError(f"{pixels} must be a torch.Tensor, got {type(pixel_values).__name__}")
         if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
             raise ValueError(
                 f"{grid_name} must be a [items, 3] tensor of (t, h, w), got {getattr(grid_thw, 'shape', grid_thw)}"
