@@ -137,3 +137,18 @@ def test_refused_when_not_even_its_blocks_are_one_graph(name):
     with torch.no_grad(), pytest.raises(ValueError, match=REFUSED[name]):
         served(*args, **kwargs)
     assert counters.snapshot()["replays"] == before
+
+
+def test_warmup_of_a_tower_whose_trace_is_refused_records_its_block_graphs():
+    """``warmup()`` of a packed tower whose whole-tower trace is refused (muse_spark): the block graphs record and
+    compile on the warm-up image, so the first call is one replay, equal to the eager tower."""
+    tower = build_tower("muse_spark", tiny=True, **FIELDS.get("muse_spark", {}))
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    with torch.no_grad():
+        served.warmup()
+    assert isinstance(served.replacement, CompiledBlockTower) and served.runtimes
+    args, kwargs = tower_call("muse_spark", tower, [(1, 8, 12)])
+    out = _replayed(served, served.replacement, args, kwargs)
+    with torch.no_grad(), routed_attention(tower):
+        ref = tower(*args, **kwargs)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)

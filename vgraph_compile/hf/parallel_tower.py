@@ -91,7 +91,7 @@ class ParallelTower:
         self.parallel_calls[plan.mode] += 1
         self.load_stats.record(plan.assignment)
         if not grid:
-            self.warmup()
+            self._warm_up()
             return self._output(self._encode(pixel_values, grid))
         starts = row_starts(grid)
         parts = []
@@ -100,7 +100,7 @@ class ParallelTower:
             split = self._row_split(tuple(grid[i] for i in plan.sequence), ranks)
             parts.append((plan.sequence, self._encode_sequence(rows, split, self._sequence_graphs())))
         if plan.data:
-            self.warmup()
+            self._warm_up()
             mine = [plan.data[i] for i in plan.assignment.items[rank]]
             local = self._encode(_item_rows(pixel_values, starts, mine, len(grid)), [grid[i] for i in mine])
             unit, folds = rows_per_unit(self.interface.outputs)

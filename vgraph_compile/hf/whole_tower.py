@@ -18,6 +18,7 @@ import collections
 import contextlib
 import inspect
 import logging
+import threading
 from dataclasses import replace
 from typing import Any, Callable, Literal
 
@@ -145,6 +146,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         """The sequence-parallel trace (``_SequenceGraphs``), made at the first sequence-parallel call."""
         self.__dict__["replacement"] = None
         """What serves every call once the trace was refused (``trace_refused``'s module)."""
+        self.__dict__["_warmup_lock"] = threading.Lock()
         self.grid_metadata.clear()
 
     def _encoder(self, config: VGraphConfig) -> CompiledEncoderFunction:
@@ -155,7 +157,10 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
 
     @property
     def runtimes(self):
-        """The vgraph runtimes behind this tower (one per dynamo trace; normally one)."""
+        """The vgraph runtimes behind this tower (one per dynamo trace; normally one); once the trace was refused,
+        those of the module serving it."""
+        if self.replacement is not None:
+            return self.replacement.runtimes
         return self.compiled.vgraph.runtimes
 
     def stats_table(self) -> str:
@@ -229,7 +234,9 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
 
     # -- per call ----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Trace, compile once and capture every bucket with a synthetic image, before serving any call.
+        """Trace, compile once and capture every bucket with a synthetic image, before serving any call; once the
+        trace is refused, the module serving the tower instead (``trace_refused``'s block graphs) records and
+        compiles on that image.
 
         The image is one window tall (one merge unit without windows) and as many wide as the smallest budget
         holds, at least two: both attention groups (frames and windows) have segments in the trace, and a size
@@ -238,24 +245,42 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         ``VGraphConfig.window_offsets`` (the tower's ``cu_window_seqlens``), not from the image. Later calls skip
         dynamo, in any grad mode.
         """
-        if self.runtimes:
-            return
+        try:
+            self._warm_up()
+        except _TraceRefused:
+            if not self.replacement.runtimes:
+                pixel_values, grid = self._synthetic_image()
+                arguments = {self.pixel_argument: pixel_values, self.interface.grid_argument: torch.tensor(grid)}
+                with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+                    self.replacement(**arguments)
+
+    def _synthetic_image(self) -> tuple[torch.Tensor, Grid]:
+        """The warm-up's image (``warmup``): its pixel rows on the tower's device and dtype, and its grid."""
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         wide = max(2, self.vgraph_config.budgets[0] // (side * side))
-        grid = ((1, side, wide * side),)
-        parameter = self.parameter
         shape = (wide * side * side, *self.interface.pixel_shape)
-        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
-        try:
-            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-                self._run(pixel_values, grid)
-        except BudgetRefused:  # the caller's token_budgets, not the tower: said as it is, before any compile
-            raise
-        except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
-            if self.trace_refused is None or self.process_group is not None:
+        parameter = self.parameter
+        return torch.randn(shape, device=parameter.device, dtype=parameter.dtype), ((1, side, wide * side),)
+
+    def _warm_up(self) -> None:
+        """The whole-tower trace made once, however many threads make their first call at once; ``_TraceRefused``
+        once it is refused (the replacement serves)."""
+        with self._warmup_lock:
+            if self.replacement is not None:
+                raise _TraceRefused
+            if self.compiled.vgraph.runtimes:
+                return
+            pixel_values, grid = self._synthetic_image()
+            try:
+                with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+                    self._run(pixel_values, grid)
+            except BudgetRefused:  # the caller's token_budgets, not the tower: said as it is, before any compile
                 raise
-            self.__dict__["replacement"] = self.trace_refused(str(refusal))
-            raise _TraceRefused from refusal
+            except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
+                if self.trace_refused is None or self.process_group is not None:
+                    raise
+                self.__dict__["replacement"] = self.trace_refused(str(refusal))
+                raise _TraceRefused from refusal
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
         """The compiled tower on one batch, keyed by its grid: the metadata is the grid's, from the cache."""
@@ -323,7 +348,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         if self.process_group is not None:
             return self._serve_parallel(pixel_values, grid_thw)
         pixel_values, grid = self._check(pixel_values, grid_thw)
-        self.warmup()
+        self._warm_up()
         return self._output(self._encode(pixel_values, grid))
 
     def _encode(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]) -> list[torch.Tensor]:
