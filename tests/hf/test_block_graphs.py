@@ -12,6 +12,7 @@ import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
+from vgraph_compile.hf.block_program import BlocksRefused
 from vgraph_compile.sample_models.vision_utils_towers import build_tower, tower_call
 
 MAX_SEQLEN_ITEM = r"item.* at transformers/utils/generic.py:\d+ \(return \(cu_seqlens.* produces a data-dependent value"
@@ -152,3 +153,17 @@ def test_warmup_of_a_tower_whose_trace_is_refused_records_its_block_graphs():
     with torch.no_grad(), routed_attention(tower):
         ref = tower(*args, **kwargs)
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bad_first_call_raises_the_stock_towers_error_not_a_refusal():
+    """A first call whose pixel rows do not match its grid fails in the stock tower as written too: that error is
+    raised (the caller's input), not a refusal naming the tower; a good call then records and serves."""
+    tower = build_tower("cosmos3_edge", tiny=True)
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    (pixel_values, grid_thw), kwargs = tower_call("cosmos3_edge", tower, [(1, 8, 12)])
+    with torch.no_grad(), pytest.raises(Exception) as raised:
+        served(pixel_values[:50], grid_thw, **kwargs)
+    assert not isinstance(raised.value, BlocksRefused) and "cannot be served by vgraph" not in str(raised.value)
+    with torch.no_grad():
+        out = served(pixel_values, grid_thw, **kwargs)
+    assert served.program is not None and not out.last_hidden_state.isnan().any()

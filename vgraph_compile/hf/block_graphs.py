@@ -241,17 +241,20 @@ class CompiledBlockTower(TowerStandIn):
 
     def _record(self, args: tuple, kwargs: dict) -> Any:
         """The first call: record the program on the stock tower, compile the stack and build its buckets on the
-        recorded inputs; returns the stock output."""
-        with routed_attention(self.tower):
-            try:
+        recorded inputs; returns the stock output. A call the stock tower fails on as written too raises that error
+        (the caller's input), not a refusal of the tower."""
+        try:
+            with routed_attention(self.tower):
                 recorded = record_block_program(self.tower, args, kwargs)
-            except BlocksRefused as refusal:
-                raise self._refusal(str(refusal)) from None
-            except Exception as error:
-                raise self._refusal(
-                    "the stock tower fails with its attention routed through vgraph's varlen op "
-                    f"({_first_line(error)}): its blocks do not attend over packed rows with cu_seqlens"
-                ) from error
+        except BlocksRefused as refusal:
+            raise self._refusal(str(refusal)) from None
+        except Exception as error:
+            self.tower(*args, **kwargs)  # the stock tower as written: its own error where the call is bad input
+            raise self._refusal(
+                "the stock tower fails with its attention routed through vgraph's varlen op "
+                f"({_first_line(error)}): its blocks do not attend over packed rows with cu_seqlens"
+            ) from error
+        with routed_attention(self.tower):
             compiled = self._compile(recorded)
         program = recorded.program
         proxies = torch.nn.ModuleList(_BlockProxy(self, index) for index in range(program.blocks))
