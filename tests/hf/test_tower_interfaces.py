@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers import counter_changes
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.hf.tower_interfaces import interface_key, tower_interface
@@ -20,6 +21,7 @@ the metadata passed in, on the verification grid."""
 
 SERVE = """
 import json, sys, torch
+from tests.helpers import counter_changes
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
@@ -110,3 +112,18 @@ def test_a_damaged_interface_is_learned_again(tmp_path, caplog, damage):
     assert "building it again" in caplog.text
     with counters.expect(interfaces_loaded=1):
         tower_interface(tower, tmp_path)
+
+
+def test_a_refusal_is_saved_and_raised_again_without_a_probe(tmp_path):
+    """A tower the interface refuses (MiniMax-M3-VL: its output has no fixed number of rows per patch) is probed
+    once: the refusal is saved under its key, and a later start raises it again with no probe forward."""
+    from vgraph_compile.hf.metadata_plan import TowerRefused
+    from vgraph_compile.sample_models.vision_utils_towers import build_tower
+
+    tower = build_tower("minimax_m3_vl", tiny=True)
+    with counter_changes() as probed, pytest.raises(TowerRefused, match="no fixed number of rows") as first:
+        tower_interface(tower, tmp_path)
+    assert probed["probe_forwards"] > 0
+    with counters.expect(interfaces_loaded=1), pytest.raises(TowerRefused) as again:
+        tower_interface(tower, tmp_path)
+    assert str(again.value) == str(first.value)

@@ -1,7 +1,8 @@
 """Saved tower interfaces: a later process reads a packed tower's learned interface instead of probing the tower.
 
 ``tower_interface(tower, directory)`` returns the ``PackedTower`` saved in the artifact directory under the tower's
-``interface_key``, or learns it (``learn_packed_tower``: eager forwards of a shrunk tower) and saves it there. A
+``interface_key``, or learns it (``learn_packed_tower``: eager forwards of a shrunk tower) and saves it there; a
+refusal (``TowerRefused``) is saved and raised again the same way. A
 warm start thus runs no probe forward (``counters.probe_forwards`` does not move; ``interfaces_loaded`` does).
 
 Key: what the interface depends on, and nothing else (never the weights, the device or the dtype: the probe runs
@@ -26,6 +27,7 @@ import torch
 
 from vgraph_compile.compile import artifacts
 from vgraph_compile.counters import counters
+from vgraph_compile.hf.metadata_plan import TowerRefused
 from vgraph_compile.hf.packed_tower import PackedTower, learn_packed_tower
 
 __all__ = ["interface_key", "tower_interface"]
@@ -66,13 +68,19 @@ def tower_interface(tower: torch.nn.Module, directory: Path | None) -> PackedTow
         return learn_packed_tower(tower)
     key = interface_key(tower)
     saved = artifacts.load_plan(directory, key)
-    if saved is not None and not isinstance(saved, PackedTower):
+    if saved is not None and not isinstance(saved, (PackedTower, TowerRefused)):
         artifacts.discard_plan(directory, key, f"holds a {type(saved).__name__}, not a PackedTower")
         saved = None
     if saved is not None:
         counters.interfaces_loaded += 1
         log.info("vgraph: %s: interface loaded from %s (no probe)", type(tower).__name__, directory)
+        if isinstance(saved, TowerRefused):
+            raise TowerRefused(*saved.args)
         return saved.bound(tower)
-    interface = learn_packed_tower(tower)
+    try:
+        interface = learn_packed_tower(tower)
+    except TowerRefused as refusal:  # the same code and config refuse again: a later start need not probe
+        artifacts.save_plan(directory, key, TowerRefused(*refusal.args))
+        raise
     artifacts.save_plan(directory, key, interface.bound(None))
     return interface
