@@ -160,42 +160,15 @@ def test_grad_modes_never_retrace(one_block, inductor_compiled):
     assert len(inductor_compiled.vgraph.runtimes) == 1
 
 
-def test_concurrent_callers_get_their_own_rows(one_block, inductor_compiled):
-    """4 threads x 25 calls of different sizes through the shared bucket buffers: every result eager-equal."""
+def _wrong_from_threads(compiled, model, calls: int) -> list[int]:
+    """Four threads, each making ``calls`` calls of its own random sizes at once: per thread, how many results were
+    not eager-equal (a thread's exception is raised here)."""
     import concurrent.futures
 
     def worker(seed):
         rng = random.Random(seed)
         wrong = 0
-        for _ in range(25):
-            inputs = pack_images([rng.randint(1, 30) for _ in range(rng.randint(1, 4))], 12)
-            with torch.no_grad():
-                out, expected = inductor_compiled(*inputs), one_block(*inputs)
-            wrong += not torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
-        return wrong
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(worker, range(4))) == [0, 0, 0, 0]
-
-
-def test_concurrent_callers_under_the_measured_choice_get_their_own_rows(model):
-    """call_choice switched to "measured" between calls (allowed): four threads calling at once find no cost
-    table, one measures it (filling and running every bucket) while the others wait; every result is eager-equal,
-    whichever way it was served, and no thread raises."""
-    import concurrent.futures
-
-    compiled = vgraph_compile.encoder(
-        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
-    )
-    with torch.no_grad():
-        compiled(*pack_images([5, 7], 12))
-    runtime = compiled.vgraph.runtimes[0]
-    runtime.call_choice = "measured"
-
-    def worker(seed):
-        rng = random.Random(seed)
-        wrong = 0
-        for _ in range(10):
+        for _ in range(calls):
             inputs = pack_images([rng.randint(1, 30) for _ in range(rng.randint(1, 4))], 12)
             with torch.no_grad():
                 out, expected = compiled(*inputs), model(*inputs)
@@ -203,7 +176,26 @@ def test_concurrent_callers_under_the_measured_choice_get_their_own_rows(model):
         return wrong
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(worker, range(4))) == [0, 0, 0, 0]
+        return list(pool.map(worker, range(4)))
+
+
+def test_concurrent_callers_get_their_own_rows(one_block, inductor_compiled):
+    """4 threads x 25 calls of different sizes through the shared bucket buffers: every result eager-equal."""
+    assert _wrong_from_threads(inductor_compiled, one_block, 25) == [0, 0, 0, 0]
+
+
+def test_concurrent_callers_under_the_measured_choice_get_their_own_rows(model):
+    """call_choice switched to "measured" between calls (allowed): four threads calling at once find no cost
+    table, one measures it (filling and running every bucket) while the others wait; every result is eager-equal,
+    whichever way it was served, and no thread raises."""
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
+    )
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+    runtime = compiled.vgraph.runtimes[0]
+    runtime.call_choice = "measured"
+    assert _wrong_from_threads(compiled, model, 10) == [0, 0, 0, 0]
     assert runtime.costs is not None and sum(runtime.choices.values()) == 40
 
 
