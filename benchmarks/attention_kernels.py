@@ -123,13 +123,6 @@ def _padded_call(name: str, width: int):
     return padded
 
 
-def _inputs(lengths, rows, slots, head_dim):
-    bounds = torch.tensor([0, *lengths] + [0] * (slots - len(lengths)), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q, k, v = (torch.randn(rows, HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(3))
-    max_seqlen = max(lengths) if rows == sum(lengths) else rows
-    return q, k, v, bounds.cuda(), max_seqlen
-
-
 def _timed(fn, repeats: int, capture: bool) -> tuple[float, str]:
     """Median ms of ``fn`` as a CUDA graph replay (or a plain launch), after three warm-up calls."""
     for _ in range(3):

@@ -2,8 +2,6 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
-import vgraph_compile
-
 from tests.helpers import trace
 from vgraph_compile.sample_models.packed_vit import pack_images
 from vgraph_compile.kernels.ops import varlen_attention

@@ -1,7 +1,5 @@
 from expecttest import assert_expected_inline
 
-import vgraph_compile
-
 from tests.helpers import trace
 from vgraph_compile.analyze import discover
 

@@ -4,8 +4,6 @@ eager tower (same attention op, fp32 rel <= 1e-5) over an image, a video, a one-
 split call; a tower whose stock forward fails on videos is served on images and refuses a video per call; or the
 tower is refused with a ValueError naming its own reason, before anything is compiled."""
 
-import re
-
 import pytest
 import torch
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vgraph_compile.kernels.confine_indexing import CHUNK, chunk_width, dense, search_steps
+from vgraph_compile.kernels.confine_indexing import chunk_width, dense, search_steps
 
 CONFINE_ROWS = 16
 """Rows per ``confine`` program."""
