@@ -1,3 +1,7 @@
+"""Fixtures and settings for every test. Imports nothing heavy at module level: pytest-xdist's controller process
+loads this file before it starts the workers, and only the workers collect and run tests (each imports torch and
+vgraph_compile with its first test module)."""
+
 import multiprocessing
 import os
 import subprocess
@@ -5,19 +9,14 @@ import sys
 import traceback
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import trace
-from vgraph_compile.config import VGraphConfig
-from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
-
 os.environ["VGRAPH_ARTIFACT_DIR"] = ""  # compiles stay counted as compiles; tests of artifacts name their directory
-# One intra-op thread, here and in the child processes the tests start: the tests' tensors are small, so a second
-# thread buys little, and on a shared machine its OpenMP spin-waits, while the other thread is descheduled, made the
-# suite several times slower. A thread count set by the caller (OMP_NUM_THREADS) is kept.
+# One intra-op thread, here and in the child processes the tests start (torch reads the variable when it is first
+# imported, after this file): the tests' tensors are small, so a second thread buys little, and on a shared machine
+# its OpenMP spin-waits, while the other thread is descheduled, made the suite several times slower. A thread count
+# set by the caller (OMP_NUM_THREADS) is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 settings.register_profile(
     "default", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -33,6 +32,7 @@ def cold_inductor_cache(tmp_path_factory):
     graphs new to that cache (FX graph cache misses, each counted) and reuse only C++ kernels of identical source.
     One cold cache per process, not per test. Yields the directory (``torch._inductor.runtime.cache_dir_utils.
     cache_dir()`` reads the variable at every use)."""
+    import torch
     from torch._inductor.utils import clear_caches
 
     directory = tmp_path_factory.mktemp("cold") / "inductor"
@@ -85,16 +85,28 @@ def new_process(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_dynamo():
+    import torch._dynamo
+
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
 
 
 def pytest_collection_modifyitems(config, items):
+    """Skip the GPU tests without a GPU, and order the modules as pytest-xdist hands them out (one module per
+    worker at a time, ``--dist loadfile --no-loadscope-reorder``): ``heavy`` modules first, then by test count, the
+    largest first, so no worker is left with a long module at the end while the other idles."""
+    import torch
+
     if not torch.cuda.is_available():
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(modules.values(), key=lambda tests: (tests[0].get_closest_marker("heavy") is None, -len(tests)))
+    items[:] = [item for tests in order for item in tests]
 
 
 _REPORT: list[str] = []
@@ -114,6 +126,12 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def tiny():
     """A one-block PackedViT traced on two images, with budgets (16, 64), 4 segments, the SDPA backend."""
+    import torch
+
+    from tests.helpers import trace
+    from vgraph_compile.config import VGraphConfig
+    from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
+
     torch.manual_seed(0)
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
     inputs = pack_images([5, 7], 12)

@@ -24,6 +24,8 @@ pytest.importorskip("uvicorn")
 from vgraph_compile.cli import main  # noqa: E402
 from vgraph_compile.sample_models.checkpoints import save_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+
 OPTIONS = ["--budgets", "128", "512", "--max-items", "4"]
 OPTIONS += ["--options", '{"compiler": "eager", "attention_backend": "sdpa"}']
 STOCK = "import typer; from transformers.cli.serve import Serve; typer.run(Serve)"

@@ -6,6 +6,8 @@ import torch
 from vgraph_compile.bench.cli import main
 from vgraph_compile.bench.targets import TARGETS
 
+pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+
 
 TOY_ARGS = [
     "--device", "cpu", "--tower", "qwen2-vl", "--resize", "depth=1", "embed_dim=32", "num_heads=2", "hidden_size=48",

@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers import benchmark_script
 
+pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+
 pytest.importorskip("transformers", minversion="5.23")
 
 

@@ -164,8 +164,14 @@ CHECKS = {
         _mismatched_batches_raise_on_every_rank,
         _vlm_greedy_tokens_equal_stock,
     ],
-    3: [_collectives_are_compared_across_ranks, _towers_equal_single_process, _mismatched_batches_raise_on_every_rank],
+    3: [
+        _collectives_are_compared_across_ranks,
+        *([_towers_equal_single_process] if THOROUGH else []),
+        _mismatched_batches_raise_on_every_rank,
+    ],
 }
+"""The checks each group size runs. Three ranks' uneven shares are served in data mode by the sequence-parallel
+``auto`` stream in every profile; the whole-batch comparison at three ranks runs with ``HYPOTHESIS_PROFILE=thorough``."""
 
 
 def test_collectives_are_compared_across_ranks(gloo_group):

@@ -55,7 +55,7 @@ def _assert_same(out, ref):
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
-@settings(max_examples=10)  # each example runs the served tower and two eager ones
+@settings(max_examples=10 if THOROUGH else 5)  # each example runs the served tower and two eager ones
 @given(grid=grids)
 def test_equal_to_eager_tower(towers, compiled, name, grid):
     tower = towers[name]
