@@ -16,7 +16,7 @@ from tests.helpers import THOROUGH, counter_changes
 from vgraph_compile.sample_models import explain_factories
 from vgraph_compile.sample_models.packed_vit import ClsViT, PackedViT, WindowedViT, pack_images
 
-pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+pytestmark = pytest.mark.heavy  # few, slow tests: a worker takes this module first (conftest.py)
 
 
 class FloatConstantsViT(nn.Module):

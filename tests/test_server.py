@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn")
 from vgraph_compile.cli import main  # noqa: E402
 from vgraph_compile.sample_models.checkpoints import save_checkpoint  # noqa: E402
 
-pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+pytestmark = pytest.mark.heavy  # few, slow tests: a worker takes this module first (conftest.py)
 
 OPTIONS = ["--budgets", "128", "512", "--max-items", "4"]
 OPTIONS += ["--options", '{"compiler": "eager", "attention_backend": "sdpa"}']

@@ -6,7 +6,7 @@ import torch
 from vgraph_compile.bench.cli import main
 from vgraph_compile.bench.targets import TARGETS
 
-pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+pytestmark = pytest.mark.heavy  # few, slow tests: a worker takes this module first (conftest.py)
 
 
 TOY_ARGS = [

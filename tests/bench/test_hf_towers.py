@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import benchmark_script
 
-pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+pytestmark = pytest.mark.heavy  # few, slow tests: a worker takes this module first (conftest.py)
 
 pytest.importorskip("transformers", minversion="5.23")
 

@@ -3,7 +3,7 @@ import pytest
 from tests.bench.test_cli import TOY_ARGS
 from vgraph_compile.bench.cli import main
 
-pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+pytestmark = pytest.mark.heavy  # few, slow tests: a worker takes this module first (conftest.py)
 
 
 def test_second_start_runs_the_warmup_again_in_a_fresh_process_with_the_same_cache(tmp_path):

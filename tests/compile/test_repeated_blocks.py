@@ -24,7 +24,7 @@ from vgraph_compile.sample_models.packed_vit import Block, PackedViT, WindowedVi
 from vgraph_compile.rewrite import COMPILE_REWRITES, REWRITES, rewrite
 from vgraph_compile.spec import user_name
 
-pytestmark = pytest.mark.heavy  # fresh processes or cold compiles: scheduled first (conftest.py)
+pytestmark = pytest.mark.heavy  # few, slow tests: a worker takes this module first (conftest.py)
 
 OPTIONS = {"token_budgets": (16, 64), "max_segments": 4, "attention_backend": "sdpa"}
 
