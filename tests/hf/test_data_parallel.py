@@ -171,7 +171,8 @@ CHECKS = {
     ],
 }
 """The checks each group size runs. Three ranks' uneven shares are served in data mode by the sequence-parallel
-``auto`` stream in every profile; the whole-batch comparison at three ranks runs with ``HYPOTHESIS_PROFILE=thorough``."""
+``auto`` stream in every profile; the whole-batch comparison at three ranks runs with
+``HYPOTHESIS_PROFILE=thorough``."""
 
 
 def test_collectives_are_compared_across_ranks(gloo_group):
