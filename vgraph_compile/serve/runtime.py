@@ -65,6 +65,8 @@ class _Miss:
 
 _CHOICE_CACHE_SIZE = 4096
 _STAGED_CACHE_SIZE = 1024
+_UNKNOWN = object()
+"""A per-call-sizes cache's miss (its entries may be None)."""
 
 PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
 EXACT, STOCK = "compiled code at the exact size", "stock module"
@@ -349,8 +351,9 @@ class VGraphRuntime:
     def _exact_sizes(self, bucket: Bucket, plan: CallPlan) -> dict[int, int] | None:
         """The compiled code's size inputs at the call's sizes, worked out once per call sizes; None where a size
         guard fails there."""
-        if plan.key in self._exact:
-            return self._exact[plan.key]
+        known = self._exact.get(plan.key, _UNKNOWN)  # one read: another thread may clear the cache between two
+        if known is not _UNKNOWN:
+            return known
         guards = self.encoder.record.size_guards
         values = self._exact_values(bucket, plan)
         sizes = None
