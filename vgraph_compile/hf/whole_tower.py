@@ -264,7 +264,9 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
 
     def _warm_up(self) -> None:
         """The whole-tower trace made once, however many threads make their first call at once; ``_TraceRefused``
-        once it is refused (the replacement serves)."""
+        once it is refused (the replacement serves). A warmed tower returns without the lock (every call asks)."""
+        if self.replacement is None and self.compiled.vgraph.runtimes:
+            return
         with self._warmup_lock:
             if self.replacement is not None:
                 raise _TraceRefused
