@@ -61,3 +61,28 @@ def test_localize_takes_each_entry_before_it_is_cached(tower_and_interface):
     with routed_attention(tower_and_interface[0]):
         full = tower_and_interface[1].metadata.compute(torch.tensor(ONE))["position_ids"]
     assert torch.equal(entry["position_ids"], full[: len(full) // 2])
+
+
+def test_threads_sharing_a_small_cache_each_get_their_grids_entry(tower_and_interface):
+    """Eight threads over more grids than the cache holds (each evicting another's entries), switching as often as
+    the interpreter can: every call returns its own grid's keywords, and none raises."""
+    import concurrent.futures
+    import sys
+
+    tower, interface = tower_and_interface
+    metadata = GridMetadata(tower, interface, size=2)
+    grids = [((1, 2, 2 * width),) for width in range(1, 7)]
+    with routed_attention(tower):
+        expected = {grid: interface.metadata.compute(torch.tensor(grid)) for grid in grids}
+
+    def run(offset):
+        entries = [(grid, metadata(grid, "cpu")) for _ in range(40) for grid in grids[offset:] + grids[:offset]]
+        return all(_equal(entry[name], expected[grid][name]) for grid, entry in entries for name in expected[grid])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(run, range(8)))
+    finally:
+        sys.setswitchinterval(interval)

@@ -15,6 +15,7 @@ entries are kept (the least recently used one goes first).
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any, Callable
 
 import torch
@@ -49,12 +50,17 @@ class GridMetadata:
         self.tower, self.interface, self.size, self.grid_rows = tower, interface, size, grid_rows
         self.localize = localize
         self._entries: collections.OrderedDict[tuple[Grid, torch.device], dict] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        """Held around each read and write of ``_entries`` (threads share it; another's eviction must not land
+        between a lookup and its read)."""
 
     def __call__(self, grid: Grid, device: torch.device | str) -> dict:
         key = (grid, torch.device(device))
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return self._entries[key]
+        with self._lock:
+            cached = self._entries.get(key)
+            if cached is not None:
+                self._entries.move_to_end(key)
+                return cached
         with torch.inference_mode(False), routed_attention(self.tower):
             grid_thw = torch.tensor(grid, dtype=torch.int64)
             host = self.interface.metadata.compute(grid_thw)
@@ -66,10 +72,12 @@ class GridMetadata:
             metadata = {
                 name: value.to(key[1]) if isinstance(value, torch.Tensor) else value for name, value in host.items()
             }
-        self._entries[key] = metadata
-        if len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[key] = metadata
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
         return metadata
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
