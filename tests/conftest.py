@@ -30,7 +30,7 @@ def cold_inductor_cache(tmp_path_factory):
     """An empty inductor (and Triton) cache directory of the module's own, with torch's in-memory compile caches
     and dynamo cleared: the module's first compile starts cold, as on a fresh machine; its later tests compile
     graphs new to that cache (FX graph cache misses, each counted) and reuse only C++ kernels of identical source.
-    One cold cache per process, not per test. Yields the directory (``torch._inductor.runtime.cache_dir_utils.
+    One cold cache per module, not per test. Yields the directory (``torch._inductor.runtime.cache_dir_utils.
     cache_dir()`` reads the variable at every use)."""
     import torch
     from torch._inductor.utils import clear_caches
