@@ -153,6 +153,15 @@ def test_warmup_of_a_tower_whose_trace_is_refused_records_its_block_graphs():
     with torch.no_grad(), routed_attention(tower):
         ref = tower(*args, **kwargs)
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    (pixel_values, grid_thw), kwargs = args, kwargs
+    bad = {  # checked as the whole-tower tier checks them, before the block graphs run
+        "pixel_values has 50 rows but grid_thw describes": (pixel_values[:50], grid_thw),
+        "pixel_values must be a torch.Tensor, got ndarray": (pixel_values.numpy(), grid_thw),
+        "pixel_values is torch.float64 on cpu but the tower is torch.float32": (pixel_values.double(), grid_thw),
+    }
+    for message, call in bad.items():
+        with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
+            served(*call, **kwargs)
 
 
 def test_a_bad_first_call_raises_the_stock_towers_error_not_a_refusal():

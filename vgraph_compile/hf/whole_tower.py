@@ -309,13 +309,23 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
     def forward(self, *args: Any, **kwargs: Any):
         """The tower's own arguments, by position or by its names (the processor's pixel rows as
         ``hidden_states`` or ``pixel_values``, the grid as ``grid_thw``...); once the trace was refused, the
-        ``trace_refused`` module serves every call."""
+        ``trace_refused`` module serves every call, after the same input checks (``_check``)."""
         if self.replacement is None:
             try:
                 return self._forward(*args, **kwargs)
             except _TraceRefused:
                 pass
+        if not self.training and not torch.is_grad_enabled():
+            arguments = self._bound(args, kwargs)
+            self._check(arguments[self.pixel_argument], arguments.get(self.interface.grid_argument))
         return self.replacement(*args, **kwargs)
+
+    def _bound(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by the tower's parameter names, or a ValueError naming its signature."""
+        try:
+            return dict(self.signature.bind(*args, **kwargs).arguments)
+        except TypeError as error:
+            raise ValueError(f"{type(self.tower).__name__}.forward{self.signature}: {error}") from None
 
     def _forward(self, *args: Any, **kwargs: Any):
         """A call of the pixels and the grid alone (by position, or the grid by its name) is bound without
@@ -326,10 +336,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
                 return self._serve(*args)
             if len(args) == 1 and len(kwargs) == 1 and grid_name in kwargs:
                 return self._serve(args[0], kwargs[grid_name])
-        try:
-            arguments = dict(self.signature.bind(*args, **kwargs).arguments)
-        except TypeError as error:
-            raise ValueError(f"{type(self.tower).__name__}.forward{self.signature}: {error}") from None
+        arguments = self._bound(args, kwargs)
         pixel_values = arguments.pop(self.pixel_argument)
         grid_thw = arguments.pop(self.interface.grid_argument, None)
         options = {}
