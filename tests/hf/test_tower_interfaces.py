@@ -127,3 +127,23 @@ def test_a_refusal_is_saved_and_raised_again_without_a_probe(tmp_path):
     with counters.expect(interfaces_loaded=1), pytest.raises(TowerRefused) as again:
         tower_interface(tower, tmp_path)
     assert str(again.value) == str(first.value)
+
+
+def test_a_refusal_the_machine_caused_is_not_saved(tmp_path, monkeypatch):
+    """A probe that runs out of memory on every row layout refuses the tower, but the refusal is not saved: the
+    next start probes again (and, with memory, learns the interface)."""
+    from vgraph_compile.hf import packed_tower
+    from vgraph_compile.hf.metadata_plan import TowerRefused
+
+    tower = qwen_tower("qwen2-vl", "cpu", torch.float32, **TOY_SIZES["qwen2-vl"])
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("probe out of memory")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(packed_tower, "record_metadata", out_of_memory)
+        with pytest.raises(TowerRefused, match="OutOfMemoryError: probe out of memory"):
+            tower_interface(tower, tmp_path)
+    with counter_changes() as probed:
+        tower_interface(tower, tmp_path)
+    assert (probed["probe_forwards"], probed["interfaces_loaded"]) == (PROBE, 0)

@@ -38,12 +38,14 @@ from vgraph_compile.hf.metadata_plan import MetadataPlan, TowerRefused, record_m
 from vgraph_compile.hf.shrunk_tower import shrunk_tower
 
 __all__ = [
+    "ENVIRONMENT_ERRORS",
     "OutputField",
     "PackedTower",
     "config_geometry",
     "grid_argument",
     "learn_packed_tower",
     "metadata_leaves",
+    "refused_by_environment",
     "rows_per_unit",
 ]
 
@@ -234,8 +236,23 @@ def _inputs(tower, layout: _Layout, grid) -> tuple[torch.Tensor, torch.Tensor]:
     return pixel_values[None] if layout.batched else pixel_values, grid_thw
 
 
+ENVIRONMENT_ERRORS = (MemoryError, ImportError, OSError, torch.OutOfMemoryError)
+"""Errors of the machine a probe ran on, not of the tower's code and config: a refusal they cause says nothing
+about another process (``refused_by_environment``)."""
+
+
+def refused_by_environment(refusal: TowerRefused) -> bool:
+    """Whether an error of ``ENVIRONMENT_ERRORS`` caused ``refusal`` (anywhere in its chain of causes)."""
+    error: BaseException | None = refusal
+    while error is not None:
+        if isinstance(error, ENVIRONMENT_ERRORS):
+            return True
+        error = error.__cause__
+    return False
+
+
 def _record(tower, grid) -> tuple[_Layout, MetadataPlan, Any]:
-    failures = []
+    failures, environment = [], None
     for layout in _layouts(tower):
         pixel_values, grid_thw = _inputs(tower, layout, grid)
         counters.probe_forwards += 1
@@ -245,11 +262,12 @@ def _record(tower, grid) -> tuple[_Layout, MetadataPlan, Any]:
             raise
         except Exception as error:  # the tower refused this row layout: try the next one
             failures.append(f"{layout.describe()}: {type(error).__name__}: {error}")
+            environment = environment or (error if isinstance(error, ENVIRONMENT_ERRORS) else None)
             continue
         return layout, plan, output
     raise _refuse(
         tower, f"no pixel row layout derived from its config fits its patch embedding ({'; '.join(failures)})"
-    )
+    ) from environment
 
 
 def _failing_line(error: Exception) -> str:

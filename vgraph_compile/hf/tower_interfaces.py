@@ -2,7 +2,8 @@
 
 ``tower_interface(tower, directory)`` returns the ``PackedTower`` saved in the artifact directory under the tower's
 ``interface_key``, or learns it (``learn_packed_tower``: eager forwards of a shrunk tower) and saves it there; a
-refusal (``TowerRefused``) is saved and raised again the same way. A
+refusal (``TowerRefused``) is saved and raised again the same way, unless the machine caused it (out of memory, a
+missing package: ``refused_by_environment``). A
 warm start thus runs no probe forward (``counters.probe_forwards`` does not move; ``interfaces_loaded`` does).
 
 Key: what the interface depends on, and nothing else (never the weights, the device or the dtype: the probe runs
@@ -28,7 +29,7 @@ import torch
 from vgraph_compile.compile import artifacts
 from vgraph_compile.counters import counters
 from vgraph_compile.hf.metadata_plan import TowerRefused
-from vgraph_compile.hf.packed_tower import PackedTower, learn_packed_tower
+from vgraph_compile.hf.packed_tower import PackedTower, learn_packed_tower, refused_by_environment
 
 __all__ = ["interface_key", "tower_interface"]
 
@@ -80,7 +81,8 @@ def tower_interface(tower: torch.nn.Module, directory: Path | None) -> PackedTow
     try:
         interface = learn_packed_tower(tower)
     except TowerRefused as refusal:  # the same code and config refuse again: a later start need not probe
-        artifacts.save_plan(directory, key, TowerRefused(*refusal.args))
+        if not refused_by_environment(refusal):  # out of memory, a missing package: another start may pass
+            artifacts.save_plan(directory, key, TowerRefused(*refusal.args))
         raise
     artifacts.save_plan(directory, key, interface.bound(None))
     return interface
