@@ -43,7 +43,7 @@ FIRST = dict(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replay
 WARM = dict(plans_loaded=1, artifacts_loaded=1, buckets_built=2, replays=3)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage with its hash"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage with its hash", "unreadable guards"])
 def test_a_corrupt_artifact_is_rebuilt(tmp_path, caplog, damage):
     """A damaged artifact is logged, compiled again and saved again, with the plans that named it; never loaded."""
     _serve(tmp_path, seed=0)
@@ -51,6 +51,10 @@ def test_a_corrupt_artifact_is_rebuilt(tmp_path, caplog, damage):
     record = Path(f"{binary}.json")
     if damage == "truncated":
         binary.write_bytes(binary.read_bytes()[: binary.stat().st_size // 2])
+    elif damage == "unreadable guards":  # valid JSON, the binary intact: the record's guards do not parse
+        meta = json.loads(record.read_text())
+        meta["guards"] = [*meta["guards"], "s0 <="]
+        record.write_text(json.dumps(meta))
     else:
         binary.write_bytes(b"not an artifact" * 100)
         meta = json.loads(record.read_text())

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import sympy
 import torch
 import torch.fx
+import torch.utils._sympy.functions as sympy_functions
 
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.spec import PassContext
@@ -56,8 +58,9 @@ class Artifact:
 
     compiled: Callable[..., Any]
     served: tuple[int, ...]
-    guards: tuple[str, ...] | None = None
-    """Every size guard of the trace and the compile, as text (None: saved without them)."""
+    guards: tuple[sympy.Expr, ...] | None = None
+    """Every size guard of the trace and the compile, in plain symbols named as the trace names its sizes (None:
+    saved without them)."""
     dropped: tuple[tuple[int, str], ...] = ()
     """The budgets the compile dropped, each with its reason."""
 
@@ -219,12 +222,17 @@ def _write(binary: Path, what: str, key: str, write: Callable[[Path], None], **e
     return True
 
 
+_SIZE_FUNCTIONS = {name: getattr(sympy_functions, name) for name in sympy_functions.__all__}
+"""torch's sympy functions by name, as size guards print them (``PythonMod``...)."""
+
+
 def load(directory: Path, key: str) -> Artifact | None:
     """The artifact saved under ``key``, or None (absent, or stale or corrupt: then logged and removed)."""
 
     def parse(binary: Path, meta: dict) -> Artifact:
         compiled = torch._inductor.CompiledArtifact.load(path=str(binary), format="binary")
-        guards = tuple(meta["guards"]) if meta.get("guards") is not None else None
+        texts = meta.get("guards")
+        guards = None if texts is None else tuple(sympy.sympify(text, locals=_SIZE_FUNCTIONS) for text in texts)
         dropped = tuple((int(budget), str(reason)) for budget, reason in meta.get("dropped", ()))
         return Artifact(compiled, tuple(int(budget) for budget in meta["served"]), guards, dropped)
 

@@ -83,12 +83,14 @@ def load_compiled(config: "VGraphConfig", key: str) -> tuple[CompiledFn, artifac
     return (lambda inputs: compiled(*inputs)), loaded
 
 
-def _parsed_guards(texts: tuple[str, ...] | None, ctx: PassContext) -> tuple[sympy.Expr, ...] | None:
-    """Saved guards read back in this trace's symbols (the same trace names its sizes alike); None when unknown."""
-    if texts is None:
+def _parsed_guards(guards: tuple[sympy.Expr, ...] | None, ctx: PassContext) -> tuple[sympy.Expr, ...] | None:
+    """Saved guards in this trace's symbols (the same trace names its sizes alike); None when unknown."""
+    if guards is None:
         return None
     symbols = {str(symbol): symbol for bucket in ctx.buckets for symbol in bucket.values}
-    return tuple(sympy.sympify(text, locals=symbols) for text in texts)
+    return tuple(
+        guard.xreplace({free: symbols.get(str(free), free) for free in guard.free_symbols}) for guard in guards
+    )
 
 
 def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
