@@ -42,3 +42,40 @@ def test_batched_pixel_rows_are_derived_and_checked_in_the_towers_names():
         with pytest.raises(ValueError, match=r"PaddleOCRVisionModel.forward\(pixel_values"):
             served(grid_thw=grid_thw)
     assert not served.runtimes
+
+
+def test_probes_on_two_threads_restore_the_thread_count_they_found():
+    """Probes overlapping on two threads (the second starts inside the first and ends after it): at most
+    ``PROBE_THREADS`` intra-op threads while either runs, and the process's own count back after both."""
+    import threading
+
+    from vgraph_compile.hf import packed_tower
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(packed_tower.PROBE_THREADS + 1)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    inside = []
+
+    def first():
+        with packed_tower._probe_threads():
+            first_in.set()
+            second_in.wait()
+        first_out.set()
+
+    def second():
+        first_in.wait()
+        with packed_tower._probe_threads():
+            second_in.set()
+            first_out.wait()
+            inside.append(torch.get_num_threads())
+
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert inside == [packed_tower.PROBE_THREADS]
+        assert torch.get_num_threads() == packed_tower.PROBE_THREADS + 1
+    finally:
+        torch.set_num_threads(before)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -392,14 +393,26 @@ oversubscribe the host's cores with them: two processes of two threads each on t
 interface 9x slower than one alone (``benchmarks/results/startup_interface_cpu.json``)."""
 
 
+_PROBING = {"lock": threading.Lock(), "probes": 0, "threads": 0}
+"""The probes running now, and the process's intra-op thread count from before the first of them."""
+
+
 @contextlib.contextmanager
 def _probe_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(threads, PROBE_THREADS))
+    """At most ``PROBE_THREADS`` intra-op threads inside the block (a process-wide setting): the first of probes
+    running at once on several threads lowers it, the last restores it."""
+    with _PROBING["lock"]:
+        if _PROBING["probes"] == 0:
+            _PROBING["threads"] = torch.get_num_threads()
+            torch.set_num_threads(min(_PROBING["threads"], PROBE_THREADS))
+        _PROBING["probes"] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        with _PROBING["lock"]:
+            _PROBING["probes"] -= 1
+            if _PROBING["probes"] == 0:
+                torch.set_num_threads(_PROBING["threads"])
 
 
 def learn_packed_tower(tower: torch.nn.Module, probe: torch.nn.Module | None = None) -> PackedTower:
