@@ -117,11 +117,23 @@ def report(line: str) -> None:
     _REPORT.append(line)
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its report lines to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["vgraph_report"] = list(_REPORT)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _REPORT.extend(getattr(node, "workeroutput", {}).get("vgraph_report", ()))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _REPORT:
         terminalreporter.section("vgraph report")
         for line in _REPORT:
             terminalreporter.write_line(line)
+
 
 @pytest.fixture
 def tiny():
