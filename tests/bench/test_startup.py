@@ -8,7 +8,7 @@ from vgraph_compile.sample_models.qwen_towers import TOY_SIZES
 
 def test_interface_only_learns_then_loads_from_the_run_directory(tmp_path):
     """The first start probes (three forwards of the shrunk tower) and saves; the next loads, with no probe. The
-    tower's weights are never materialized."""
+    released-size tower is built on the meta device, and the process's default device is the CPU again after."""
     startup = benchmark_script("startup")
     barrier = tmp_path / "barrier_cold"
     barrier.mkdir()

@@ -21,7 +21,6 @@ the metadata passed in, on the verification grid."""
 
 SERVE = """
 import json, sys, torch
-from tests.helpers import counter_changes
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
