@@ -186,13 +186,10 @@ class ParallelTower:
         self.__dict__["sequence_graphs"] = graphs
         side = 2 * self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         grid = ((1, side, side),) * ranks
-        parameter = self.parameter
-        shape = (ranks * side * side, *self.interface.pixel_shape)
-        pixel_values = torch.randn(shape, device=parameter.device, dtype=parameter.dtype)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            self._encode_sequence(pixel_values, self._row_split(grid, ranks), graphs)
+            self._encode_sequence(self._random_pixels(grid), self._row_split(grid, ranks), graphs)
         for runtime in graphs.compiled.vgraph.runtimes:
-            sequence_parallel.agree_on_buckets(runtime, self.vgraph_config.budgets, group, parameter.device)
+            sequence_parallel.agree_on_buckets(runtime, self.vgraph_config.budgets, group, self.parameter.device)
         return graphs
 
     def close(self) -> None:

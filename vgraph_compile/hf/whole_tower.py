@@ -258,9 +258,14 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         """The warm-up's image (``warmup``): its pixel rows on the tower's device and dtype, and its grid."""
         side = self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         wide = max(2, self.vgraph_config.budgets[0] // (side * side))
-        shape = (wide * side * side, *self.interface.pixel_shape)
+        grid = ((1, side, wide * side),)
+        return self._random_pixels(grid), grid
+
+    def _random_pixels(self, grid: Grid) -> torch.Tensor:
+        """Random pixel rows of ``grid``, on the tower's device and in its dtype (for the warm-up calls)."""
+        rows = sum(t * h * w for t, h, w in grid)
         parameter = self.parameter
-        return torch.randn(shape, device=parameter.device, dtype=parameter.dtype), ((1, side, wide * side),)
+        return torch.randn((rows, *self.interface.pixel_shape), device=parameter.device, dtype=parameter.dtype)
 
     def _warm_up(self) -> None:
         """The whole-tower trace made once, however many threads make their first call at once; ``_TraceRefused``
