@@ -254,8 +254,7 @@ class CompiledBlockTower(TowerStandIn):
                 "the stock tower fails with its attention routed through vgraph's varlen op "
                 f"({_first_line(error)}): its blocks do not attend over packed rows with cu_seqlens"
             ) from error
-        with routed_attention(self.tower):
-            compiled = self._compile(recorded)
+        compiled = self._compile(recorded)  # its traces route attention (``around_trace``)
         program = recorded.program
         proxies = torch.nn.ModuleList(_BlockProxy(self, index) for index in range(program.blocks))
         self.__dict__["served"] = _served_copy(self.tower, program.path, proxies)
