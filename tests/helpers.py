@@ -6,7 +6,7 @@ import contextlib
 import importlib.util
 import os
 import pathlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -50,6 +50,20 @@ def counter_changes() -> Iterator[dict[str, int]]:
     changes: dict[str, int] = {}
     yield changes
     changes.update({name: value - before[name] for name, value in counters.snapshot().items()})
+
+
+def outputs_from_threads(call: Callable[[int], Any], threads: int, repeats: int = 5) -> list[list[Any]]:
+    """``call(index)`` made ``repeats`` times on each of ``threads`` threads at once (thread ``index`` passes its own
+    index), under ``torch.no_grad`` in each thread (grad mode is per thread): each thread's outputs, in order. A
+    thread's exception is raised here."""
+    import concurrent.futures
+
+    def run(index: int) -> list[Any]:
+        with torch.no_grad():
+            return [call(index) for _ in range(repeats)]
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(run, range(threads)))
 
 
 def graph_str(gm: torch.fx.GraphModule) -> str:

@@ -4,12 +4,12 @@ op, fp32) on packed calls of one image, several, and a video where the family ta
 first replays (a fall back to eager fails the test); a NaN image stays in its rows; concurrent callers get their own
 rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``."""
 
-import concurrent.futures
 import re
 
 import pytest
 import torch
 
+from tests.helpers import outputs_from_threads
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
 from vgraph_compile.hf.block_program import BlocksRefused
@@ -115,13 +115,7 @@ def test_concurrent_callers_get_their_own_rows():
     with torch.no_grad(), routed_attention(tower):
         expected = [tower(*args, **kwargs).last_hidden_state for args, kwargs in calls]
 
-    def run(index):
-        args, kwargs = calls[index]
-        with torch.no_grad():
-            return [served(*args, **kwargs).last_hidden_state for _ in range(5)]
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # a thread's exception is raised here
-        results = list(pool.map(run, (0, 1)))
+    results = outputs_from_threads(lambda index: served(*calls[index][0], **calls[index][1]).last_hidden_state, 2)
     for outs, want in zip(results, expected):
         for out in outs:
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import THOROUGH, counter_changes
+from tests.helpers import THOROUGH, counter_changes, outputs_from_threads
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.whole_tower import asks_nothing
@@ -252,20 +252,17 @@ def test_the_window_group_is_sized_by_the_window_bound(towers, compiled):
 
 def test_threads_with_their_own_grids_get_their_own_rows(towers, compiled):
     """Four threads call one compiled tower, each with its own grid, repeatedly (each grid's metadata staged at its
-    first call and copied in after): every output equals that grid's single-threaded one."""
-    import concurrent.futures
-
+    first call and copied in after): every call is a graph replay and every output equals that grid's
+    single-threaded one."""
     tower = compiled["qwen2.5-vl"]
     grids = [[(1, 8, 8)], [(1, 4, 12), (2, 4, 4)], [(1, 16, 8)], [(1, 8, 12), (1, 4, 4)]]
     calls = [_inputs(towers["qwen2.5-vl"], grid) for grid in grids]
     with torch.no_grad():
         expected = [tower(*call) for call in calls]
-
-        def run(index):
-            return [tower(*calls[index]) for _ in range(5)]
-
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(run, range(len(calls))))
+    stock_calls = tower.stock_calls
+    with counter_changes() as changes:
+        results = outputs_from_threads(lambda index: tower(*calls[index]), len(calls))
+    assert changes["replays"] == 5 * len(calls) and tower.stock_calls == stock_calls, changes
     for outs, ref in zip(results, expected):
         for out in outs:
             _assert_same(out, ref)
