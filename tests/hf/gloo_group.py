@@ -240,9 +240,11 @@ def start(sizes, directory: Path) -> None:
         if ranks in _GROUPS:
             continue
         try:
-            os.close(os.open(directory / f"group{ranks}.lock", os.O_CREAT | os.O_EXCL))
+            lock = os.open(directory / f"group{ranks}.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:  # another test process of this run runs it
             continue
+        os.write(lock, str(os.getpid()).encode())
+        os.close(lock)
         mine.append(ranks)
     if mine:
         runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gloo-groups")
@@ -259,10 +261,23 @@ def results(ranks: int, directory: Path) -> tuple[int, list[dict[str, str]]]:
     deadline = time.monotonic() + WAIT_SECONDS
     while not _record(directory, ranks).exists():
         assert time.monotonic() < deadline, f"the group of {ranks} run by another test process wrote no results"
+        assert _alive(directory / f"group{ranks}.lock"), f"the test process running the group of {ranks} ended first"
         time.sleep(0.5)
     record = json.loads(_record(directory, ranks).read_text())
     assert "error" not in record, f"the group of {ranks} failed in another test process:\n{record.get('error')}"
     return ranks, record["results"]
+
+
+def _alive(lock: Path) -> bool:
+    """Whether the test process that wrote its pid in ``lock`` still runs (True while the pid is not written yet)."""
+    text = lock.read_text()
+    if not text:
+        return True
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return _record(lock.parent, int(lock.stem.removeprefix("group"))).exists()  # it may have just written it
+    return True
 
 
 def finish() -> None:
