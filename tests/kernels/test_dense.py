@@ -1,5 +1,7 @@
 """The dense kernels: one SDPA call over every row, segments kept apart by separation columns (CPU flash kernel)."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -74,11 +76,12 @@ def test_too_many_segments_for_one_dense_call_is_refused():
         varlen_attention(q, k, v, cu, 1, backend="dense_flash")
 
 
-def test_a_per_bucket_choice_picks_by_rows():
+def test_a_per_bucket_choice_picks_by_rows_and_one_segment_calls_by_their_own_entries():
     cpu, f32 = torch.device("cpu"), torch.float32
     name = registry.by_rows({4096: "sdpa", 512: "dense_flash", 16384: "dense_flash"})
     assert name == "512:dense_flash;4096:sdpa;16384:dense_flash"
     assert registry.by_rows({64: "sdpa", 128: "sdpa"}) == "sdpa"
+    assert registry.by_rows({64: "sdpa", 128: "sdpa"}, {64: "sdpa", 128: "sdpa"}) == "sdpa"
     assert [registry.resolve(name, cpu, f32, rows).name for rows in (100, 512, 513, 4096, 9000, 20000)] == [
         "dense_flash", "dense_flash", "sdpa", "sdpa", "dense_flash", "dense_flash"
     ]
@@ -87,3 +90,40 @@ def test_a_per_bucket_choice_picks_by_rows():
     torch.testing.assert_close(
         varlen_attention(q, k, v, cu, 5, backend=name), varlen_attention(q, k, v, cu, 5, backend="sdpa")
     )
+    split = registry.by_rows({512: "sdpa", 4096: "sdpa"}, {512: "sdpa", 4096: "dense_flash"})
+    assert split == "512:sdpa;4096:sdpa;1x512:sdpa;1x4096:dense_flash"
+    assert [registry.pick(split, rows, 1) for rows in (100, 600, 9000)] == ["sdpa", "dense_flash", "dense_flash"]
+    assert [registry.pick(split, rows, 2) for rows in (100, 600, 9000)] == ["sdpa", "sdpa", "sdpa"]
+    assert registry.pick(split, 600) == "sdpa"  # segments unknown: the entries for any call
+    assert registry.kernel_names(split) == ("sdpa", "sdpa", "sdpa", "dense_flash")
+
+
+@pytest.mark.parametrize("name", ["1x512:sdpa", "512:sdpa;1y9:sdpa", "512:"])
+def test_a_malformed_per_bucket_choice_is_refused(name):
+    with pytest.raises(ValueError, match="per-bucket choice"):
+        registry.kernel_names(name)
+
+
+def test_the_op_takes_the_one_segment_entry_only_for_offsets_of_one_segment(monkeypatch):
+    """The op reads the segment count from the offsets' shape: one segment takes the ``1x`` entry, several the
+    other (a kernel that records its calls tells which ran)."""
+    ran = []
+    dense = registry.BACKENDS["dense_flash"]
+    monkeypatch.setattr(type(dense), "load", lambda backend: _recording(backend.name, ran), raising=True)
+    name = registry.by_rows({64: "sdpa"}, {64: "dense_flash"})
+    q, k, v, one = _packed([20], padding=4, head_dim=8)
+    varlen_attention(q, k, v, one, 20, backend=name)
+    _, _, _, two = _packed([10, 10], padding=4, head_dim=8)
+    varlen_attention(q, k, v, two, 10, backend=name)
+    assert ran == ["dense_flash", "sdpa"]
+
+
+def _recording(name, ran):
+    kernel = importlib.import_module(f"vgraph_compile.kernels.{registry.BACKENDS[name].module or name}")
+    function = getattr(kernel, registry.BACKENDS[name].function)
+
+    def run(*args):
+        ran.append(name)
+        return function(*args)
+
+    return run

@@ -8,6 +8,7 @@ from vgraph_compile.rewrite.kernel_choice import (
     GroupShape,
     _candidates,
     fastest_kernel,
+    group_kernels,
     group_offsets,
     load_timings,
     save_timings,
@@ -71,3 +72,55 @@ def test_timings_file_merges_writers_and_is_replaced_whole(tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["vgraph_kernels.json"]
     (tmp_path / "cache" / "vgraph_kernels.json").write_text("{half")
     assert load_timings(path) == {}
+
+
+def _shape(rows, segment, capacity):
+    return GroupShape(rows, segment, capacity, 16, 72, torch.bfloat16)
+
+
+def _key(shape, names):
+    return f"{shape.rows}x{shape.segment}x{shape.capacity}|{','.join(names)}"
+
+
+def test_whole_rows_kernels_serve_one_segment_calls_only_and_only_where_they_save_enough():
+    """Dense is fastest on every shape, but its work follows the bucket's rows: a bucket of several slots gets the
+    varlen kernel, a bucket of one slot may get dense, and a one-segment call gets dense only where the saving over
+    the group's sites reaches ``EXACT_WORTH_MS``."""
+    timed = []
+
+    def time_ms(name, shape):
+        timed.append((name, shape.rows, shape.capacity))
+        per_row = {"torch_varlen": 2e-4, "dense_cudnn": 1e-4}[name]  # ms per row: dense twice as fast
+        return per_row * shape.rows
+
+    by_rows = {64: _shape(64, 64, 8), 16384: _shape(16384, 16384, 8)}
+    names = ["torch_varlen", "dense_cudnn"]
+    # 27 sites: at 64 rows dense saves 27 * 0.0064 ms (< 1 ms), at 16384 rows 27 * 1.64 ms
+    chosen = group_kernels(by_rows, names, 27, time_ms, {}, _key)
+    assert chosen == "64:torch_varlen;16384:torch_varlen;1x64:torch_varlen;1x16384:dense_cudnn"
+    assert ("dense_cudnn", 64, 8) not in timed and ("dense_cudnn", 16384, 8) not in timed
+    assert ("dense_cudnn", 64, 1) not in timed  # varlen alone takes 27 * 0.0128 ms there: nothing could save 1 ms
+    assert ("dense_cudnn", 16384, 1) in timed
+    assert group_kernels({16384: _shape(16384, 16384, 1)}, names, 27, time_ms, {}, _key) == "dense_cudnn"
+
+
+def test_window_groups_get_no_one_segment_entries():
+    """A window group's segments never fill the bucket: only its bucket shapes are timed."""
+    timed = []
+
+    def time_ms(name, shape):
+        timed.append(shape.capacity)
+        return {"torch_varlen": 1.0, "cudnn": 2.0}[name]
+
+    by_rows = {4096: _shape(4096, 64, 64), 16384: _shape(16384, 64, 256)}
+    assert group_kernels(by_rows, ["torch_varlen", "cudnn"], 28, time_ms, {}, _key) == "torch_varlen"
+    assert 1 not in timed
+
+
+def test_a_bucket_whose_kernels_all_fail_leaves_the_group_unchosen(caplog):
+    def broken(name, shape):
+        raise RuntimeError("unsupported")
+
+    by_rows = {4096: _shape(4096, 4096, 8)}
+    with caplog.at_level(logging.WARNING):
+        assert group_kernels(by_rows, ["torch_varlen", "cudnn"], 4, broken, {}, _key) is None

@@ -11,7 +11,9 @@ import vgraph_compile
 from tests.helpers import counter_changes
 from vgraph_compile.serve.call_costs import CallCosts
 from vgraph_compile.counters import counters
+from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import cu_seqlens
+from vgraph_compile.rewrite import kernel_choice
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 from vgraph_compile.serve.runtime import EXACT, PADDED, SPLIT, STOCK
 
@@ -95,6 +97,26 @@ def test_bad_cu_seqlens_raise_before_any_graph_runs(compiled, cu, message):
     patches = torch.randn(12, 12)
     with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=message):
         compiled(patches, torch.tensor(cu, dtype=torch.int32), 7)
+
+
+def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_another_kernel(model, monkeypatch):
+    """A group whose one-segment entries name another kernel (``registry.by_rows``; the timing that chose it is
+    replaced here) sends a call of one segment in that range to the compiled code at its exact sizes, where the op
+    runs that kernel; a call of several segments, or one segment where the entries agree, replays its bucket."""
+    name = registry.by_rows({16: "sdpa", 64: "sdpa", 128: "sdpa"}, {16: "sdpa", 64: "dense_flash", 128: "dense_flash"})
+    monkeypatch.setattr(kernel_choice, "choose_kernels", lambda gm, ctx: {0: name})
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
+    )
+    with torch.no_grad():
+        compiled(*pack_images([5, 7], 12))
+        runtime = compiled.vgraph.runtimes[0]
+        assert runtime.encoder.kernels == {0: name}
+        for lengths, replays in (([40], 0), ([100], 0), ([10], 1), ([20, 20], 1), ([3, 90], 1)):
+            inputs = pack_images(lengths, 12)
+            with counters.expect(replays=replays):
+                torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert runtime.choices[EXACT] == 2
 
 
 @pytest.fixture(scope="module")

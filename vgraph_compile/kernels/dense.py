@@ -14,10 +14,11 @@ gets an id, its segment (rows past ``cu_seqlens[-1]`` get one id of their own, t
 
 Each kernel is the first choice of SDPA's priority list, the memory-efficient kernel and math after it, so a shape
 the named kernel cannot run (a call at exact size below every bucket) still runs. The columns take head-dim room:
-72 + 2 columns run at 80 (one image, the padding rows its second id), 72 + 10 at 88 (16 segment slots). The
+72 + 2 columns run at 80 (one segment slot, the padding rows its second id), 72 + 10 at 88 (16 slots). The
 columns are appended and the width rounded up to a multiple of 8; v is padded with zeros to the same width and the
-output sliced back. The work is quadratic in the bucket's rows, not per segment:
-``attention_backend="auto"`` keeps it only for the buckets where timing says it is fastest (one large image).
+output sliced back. The work is quadratic in all the rows, not per segment (``AttentionBackend.whole_rows``):
+``attention_backend="auto"`` gives it only calls whose offsets hold one segment slot (one image at its exact size,
+or a bucket of one), where timing says it is fastest, so it always runs with the two columns.
 NaN/Inf isolation is ``segments.confined``'s: a non-finite k/v entry is zeroed for the kernel and its segment's head
 comes out NaN; a query row reads only its own q, so q needs no confinement.
 """

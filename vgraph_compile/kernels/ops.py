@@ -39,12 +39,13 @@ def _varlen_attention(
     """Attention of packed ``[tokens, heads, head_dim]`` q/k/v within the segments ``cu_seqlens`` marks.
 
     ``backend`` names an implementation in ``vgraph_compile.kernels`` (``"default"``: FlashAttention-2 for
-    fp16/bf16 on CUDA, the SDPA reference elsewhere), or one per row count (``registry.by_rows``), chosen here from
-    q's rows (on the host: inside a captured graph it is the bucket's). A compiled graph replaces it with the configured one.
+    fp16/bf16 on CUDA, the SDPA reference elsewhere), or one per row count and one-segment calls
+    (``registry.by_rows``), chosen here from q's rows and the offsets' segment count, both shapes read on the host
+    (inside a captured graph they are the bucket's; at a call's exact sizes, the call's own). A compiled graph replaces it with the configured one.
     ``sequence_group`` / ``sequence_ranks``: the process group (by name) whose ranks each hold a slice of the rows;
     the compiled graphs of a sequence-parallel tower set them (``rewrite/sequence_attention``).
     """
-    resolved = registry.resolve(backend, q.device, q.dtype, rows=q.shape[0])
+    resolved = registry.resolve(backend, q.device, q.dtype, rows=q.shape[0], segments=cu_seqlens.shape[0] - 1)
     if resolved.qkv_offsets:
         raise ValueError(
             f"backend {backend!r} reads packed [Q/K/O | V] offsets: call qkv_offsets_varlen_attention, or compile with "

@@ -46,6 +46,11 @@ class AttentionBackend:
     """Head dims the kernel runs, ascending (None: any). The op zero-pads q/k/v to the next one and slices the
     output back; zero columns change no score, and the softmax scale stays the original head_dim's."""
 
+    whole_rows: bool = False
+    """The kernel's work grows with all of its rows squared, whatever the segments (``kernels/dense.py``):
+    ``attention_backend="auto"`` gives it only calls whose offsets hold one segment, so no call of several
+    images pays for the others' rows, and the separation columns stay two whatever ``max_segments`` is."""
+
     module: str | None = None
     """The module under ``vgraph_compile.kernels`` defining the kernel, where it is not ``name`` (kernels that share
     one module)."""
@@ -167,57 +172,92 @@ BACKENDS: dict[str, AttentionBackend] = {
         ),
         AttentionBackend("qkv_offsets_reference", lambda device, dtype: True, qkv_offsets=True),
         AttentionBackend("flex", lambda device, dtype: dtype.is_floating_point, timed_by_auto=False, confined=True),
-        AttentionBackend("dense_cudnn", _cudnn_attention, module="dense", function="cudnn", confined=True),
-        AttentionBackend("dense_flash", _dense_flash, module="dense", function="flash", confined=True),
-        AttentionBackend("dense_efficient", _cuda_half_kernel, module="dense", function="efficient", confined=True),
+        AttentionBackend(
+            "dense_cudnn", _cudnn_attention, module="dense", function="cudnn", confined=True, whole_rows=True
+        ),
+        AttentionBackend(
+            "dense_flash", _dense_flash, module="dense", function="flash", confined=True, whole_rows=True
+        ),
+        AttentionBackend(
+            "dense_efficient", _cuda_half_kernel, module="dense", function="efficient", confined=True, whole_rows=True
+        ),
     )
 }
 """Every kernel by its name, written once (``AttentionBackend.name``). The ``dense_*`` kernels run the whole rows
-as one SDPA call (``kernels/dense.py``): the kernels a stock tower's SDPA picks, timed by ``auto`` per bucket beside
-the varlen ones."""
+as one SDPA call (``kernels/dense.py``): the kernels a stock tower's SDPA picks, timed by ``auto`` beside the varlen
+ones for calls of one segment only (``AttentionBackend.whole_rows``)."""
 
 AttentionBackendName = Literal[("default", *BACKENDS)]  # type: ignore[valid-type]
 """Names accepted by the ops' ``backend`` argument, made from ``BACKENDS``. ``"default"`` is a fixed rule
 (``resolve``); the measured choice is ``VGraphConfig.attention_backend="auto"`` (``rewrite/kernel_choice.py``)."""
 
 
-def by_rows(choices: "Mapping[int, str]") -> str:
+def by_rows(choices: "Mapping[int, str]", one_segment: "Mapping[int, str] | None" = None) -> str:
     """One ``backend`` argument for a kernel per bucket: ``{rows: kernel}`` (the rows of each bucket's attention
-    call) as ``"4096:torch_varlen;16384:dense_cudnn"``. A call takes the entry of the fewest rows at or above its
-    own (the largest past them all); a single kernel is its plain name."""
-    names = set(choices.values())
+    call) as ``"4096:torch_varlen;16384:cudnn"``; ``one_segment`` adds the kernels of calls whose offsets hold one
+    segment (``"1x16384:dense_cudnn"``), where it differs from ``choices`` at some rows. A call takes the entry of
+    the fewest rows at or above its own (the largest past them all), from the one-segment entries when its offsets
+    hold one segment and there are some; a single kernel is its plain name."""
+    one_segment = dict(one_segment or {})
+    if all(choices.get(rows) == kernel for rows, kernel in one_segment.items()):
+        one_segment = {}
+    names = set(choices.values()) | set(one_segment.values())
     if len(names) == 1:
         return names.pop()
-    return ";".join(f"{rows}:{choices[rows]}" for rows in sorted(choices))
+    return ";".join(
+        [f"{rows}:{choices[rows]}" for rows in sorted(choices)]
+        + [f"1x{rows}:{one_segment[rows]}" for rows in sorted(one_segment)]
+    )
 
 
 @functools.cache
-def _entries(name: str) -> tuple[tuple[int, str], ...]:
-    entries = []
+def _entries(name: str) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str], ...]]:
+    """(entries for any call, entries for calls of one segment), each ``(rows, kernel)`` ascending."""
+    tables: tuple[list, list] = ([], [])
     for entry in name.split(";"):
         rows, _, kernel = entry.partition(":")
+        one = rows.startswith("1x")
+        rows = rows[2:] if one else rows
         if not rows.isdigit() or not kernel:
-            raise ValueError(f"attention backend {name!r}: a per-bucket choice is 'rows:kernel;rows:kernel...'")
-        entries.append((int(rows), kernel))
-    return tuple(sorted(entries))
+            raise ValueError(
+                f"attention backend {name!r}: a per-bucket choice is 'rows:kernel;...' with optional "
+                "one-segment entries '1xrows:kernel'"
+            )
+        tables[one].append((int(rows), kernel))
+    if not tables[0]:
+        raise ValueError(f"attention backend {name!r}: a per-bucket choice needs entries for any call ('rows:kernel')")
+    return tuple(sorted(tables[0])), tuple(sorted(tables[1]))
 
 
 def kernel_names(name: str) -> tuple[str, ...]:
     """The plain kernel names ``name`` stands for (itself, or each of a ``by_rows`` choice)."""
-    return tuple(kernel for _, kernel in _entries(name)) if ":" in name else (name,)
+    if ":" not in name:
+        return (name,)
+    many, one = _entries(name)
+    return tuple(kernel for _, kernel in (*many, *one))
 
 
-def resolve(name: str, device: "torch.device", dtype: "torch.dtype", rows: int | None = None) -> AttentionBackend:
-    """The backend ``name`` stands for on ``device``/``dtype``, for an attention call of ``rows`` rows (None: the
-    largest entry of a ``by_rows`` choice).
+def pick(name: str, rows: int | None = None, segments: int | None = None) -> str:
+    """The plain kernel name ``name`` gives an attention call of ``rows`` rows whose offsets hold ``segments``
+    segments (None: unknown; the largest entry of a ``by_rows`` choice, for any call)."""
+    if ":" not in name:
+        return name
+    many, one = _entries(name)
+    table = one if segments == 1 and one else many
+    return next((kernel for limit, kernel in table if rows is not None and rows <= limit), table[-1][1])
+
+
+def resolve(
+    name: str, device: "torch.device", dtype: "torch.dtype", rows: int | None = None, segments: int | None = None
+) -> AttentionBackend:
+    """The backend ``name`` stands for on ``device``/``dtype``, for an attention call of ``rows`` rows whose offsets
+    hold ``segments`` segments (``pick``).
 
     ``"default"`` is a fixed rule, no measurement: torch's varlen FlashAttention-2 for fp16/bf16 on CUDA, else the
     SDPA block-diagonal reference.
     """
     if ":" in name:
-        entries = _entries(name)
-        chosen = next((kernel for limit, kernel in entries if rows is not None and rows <= limit), entries[-1][1])
-        return resolve(chosen, device, dtype)
+        return resolve(pick(name, rows, segments), device, dtype)
     if name == "default":
         return BACKENDS["torch_varlen"] if _cuda_half(device, dtype) else BACKENDS["sdpa"]
     if name not in BACKENDS:

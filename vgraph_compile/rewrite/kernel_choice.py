@@ -2,11 +2,11 @@
 ones.
 
 No kernel wins every shape: cuDNN's ragged attention is ~1.5x FlashAttention-2 on long full-attention segments
-and slower on 64-row windows (BENCHMARKS.md), and one dense SDPA call over a bucket that one large image fills
-(``kernels/dense.py``: the kernel the stock tower runs) beats every varlen kernel there and wastes quadratic work
-on a bucket of many small images. So each attention group (full attention, window attention) of each bucket gets
-its own kernel: every installed kernel that runs on the device and dtype is timed on that group's shape in that
-bucket (its rows split into segments of the group's max_seqlen, the offsets padded to the bucket's segment
+and slower on 64-row windows (BENCHMARKS.md), and one dense SDPA call over one large image (``kernels/dense.py``:
+the kernel the stock tower runs) beats FlashAttention-2 there and wastes quadratic work on the rows of any other
+segment or padding. So each attention group (full attention, window attention) of each bucket gets its own kernel:
+every installed kernel whose work follows the segments (and a dense one where the bucket holds one segment slot)
+that runs on the device and dtype is timed on that group's shape in that bucket (its rows split into segments of the group's max_seqlen, the offsets padded to the bucket's segment
 capacity with empty segments, as a full call leaves them) as it is served: the op's call, with whatever the kernel
 needs around it (the NaN/Inf confinement, head_dim padding and the dense kernels' separation columns, all counted),
 captured in a CUDA graph and replayed a few times, so a kernel's host-side launch cost, which replays do not pay,
@@ -14,12 +14,18 @@ does not count. The fastest is kept. A kernel that fails on the shape is skipped
 compiled graph is one for all buckets: a group whose buckets chose different kernels names them all in one
 ``backend`` argument (``registry.by_rows``), and the op picks by its rows when each bucket is captured.
 
+A call of one image is not charged for a bucket's other slots either: for the full-attention buckets, one segment
+filling the bucket is timed on every kernel, dense ones included, and where another kernel saves at least
+``EXACT_WORTH_MS`` over the group's sites it becomes the group's one-segment entry; the runtime serves such calls
+at their exact sizes (no padding rows, the offsets one segment long), where the op picks that entry.
+
 The timings are cached in ``vgraph_kernels.json`` under inductor's cache directory, keyed by device, torch
 version, kernels and shape: a second start with the same model and GPU does not time again.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -34,11 +40,16 @@ from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import evaluate
 from vgraph_compile.spec import PassContext
 
-__all__ = ["choose_kernels", "fastest_kernel", "group_offsets", "GroupShape"]
+__all__ = ["choose_kernels", "group_kernels", "fastest_kernel", "group_offsets", "GroupShape", "EXACT_WORTH_MS"]
 
 log = logging.getLogger(__name__)
 
 _REPEATS = 5
+
+EXACT_WORTH_MS = 1.0
+"""The least a one-segment call's kernel must save over a group's sites for a call to leave its bucket's graph for
+the compiled code at its exact sizes: about the host time of such a call on a released tower (``benchmarks/
+startup.py``'s host-time table), which a replay does not pay."""
 
 
 @dataclass(frozen=True)
@@ -144,29 +155,87 @@ def _group_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, dict[
     return shapes
 
 
+TimeMs = Callable[[str, GroupShape], float]
+"""A kernel's time on a shape, in ms (``_time_ms`` on the build's device)."""
+ShapeKey = Callable[[GroupShape, list[str]], str]
+"""The cache key of a shape timed among kernels (``GroupShape.key`` on the build's device)."""
+
+
+def _one_segment_kernel(
+    shape: GroupShape, kernel: str, names: list[str], sites: int, time_ms: TimeMs, cache: dict, key: ShapeKey
+) -> str:
+    """The kernel for a call whose offsets hold one segment of ``shape.rows`` rows, where ``kernel`` serves the
+    bucket: another (a ``whole_rows`` kernel, say) only where it saves at least ``EXACT_WORTH_MS`` over the
+    group's ``sites``, since the runtime runs such a call at its exact sizes, with no graph, to get it."""
+    single = GroupShape(shape.rows, shape.rows, 1, shape.heads, shape.head_dim, shape.dtype)
+    timings = cache.setdefault(key(single, names), {})
+
+    def time(name: str) -> None:
+        if name in timings:
+            return
+        try:
+            timings[name] = time_ms(name, single)
+        except Exception as failure:  # a kernel that cannot run this shape is never chosen for it
+            log.warning("kernel %s skipped for %s: %s", name, key(single, names), failure)
+            timings[name] = float("inf")
+
+    time(kernel)
+    if timings[kernel] * sites >= EXACT_WORTH_MS:  # else no kernel could save enough: time no other
+        for name in names:
+            time(name)
+    log.info("kernel timings for %s (ms): %s", key(single, names), timings)
+    fastest = min(timings, key=timings.get)
+    return fastest if (timings[kernel] - timings[fastest]) * sites >= EXACT_WORTH_MS else kernel
+
+
+def group_kernels(
+    by_rows: dict[int, GroupShape], names: list[str], sites: int, time_ms: TimeMs, cache: dict, key: ShapeKey
+) -> str | None:
+    """One attention group's kernels (``registry.by_rows``) among ``names``, the group having ``sites`` attention
+    calls; None when some bucket has no kernel that runs.
+
+    A bucket's kernel is the fastest on the bucket's full shape among the kernels whose work follows the segments
+    (a ``whole_rows`` kernel too where the bucket holds one segment slot). Where a segment can fill the bucket (full
+    attention), a call of one segment of the bucket's rows gets its own entry (``_one_segment_kernel``)."""
+    many, one = {}, {}
+    for rows, shape in by_rows.items():
+        per_segment = [name for name in names if shape.capacity == 1 or not registry.BACKENDS[name].whole_rows]
+        if len(per_segment) > 1:
+            kernel = fastest_kernel(key(shape, per_segment), per_segment, cache, lambda name: time_ms(name, shape))
+        else:
+            kernel = per_segment[0] if per_segment else None
+        if kernel is None:
+            return None
+        many[rows] = one[rows] = kernel
+        if shape.capacity > 1 and shape.segment >= rows and len(names) > 1:
+            one[rows] = _one_segment_kernel(shape, kernel, names, sites, time_ms, cache, key)
+    return registry.by_rows(many, one)
+
+
 def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]:
-    """Attention group -> its kernel per bucket (``registry.by_rows``; a plain name where every bucket chose the
-    same), timed on CUDA for ``attention_backend="auto"``; empty otherwise."""
+    """Attention group -> its kernels (``group_kernels``; a plain name where every bucket and every one-segment
+    call chose the same), timed on CUDA for ``attention_backend="auto"``; empty otherwise."""
     if ctx.config.attention_backend != "auto" or ctx.device.type != "cuda" or not ctx.buckets:
         return {}
     path = _cache_path()
     cache = load_timings(path)
+    sites = collections.Counter(site.group for site in ctx.spec.sites)
     chosen = {}
     for group, by_rows in _group_shapes(gm, ctx).items():
-        fastest = {}
-        for rows, shape in by_rows.items():
-            names = _candidates(ctx.device, shape.dtype)
-            if len(names) < 2:
-                break
-            kernel = fastest_kernel(
-                shape.key(ctx.device, names), names, cache, lambda name: _time_ms(name, shape, ctx.device)
-            )
-            if kernel is None:
-                break
-            fastest[rows] = kernel
-        if fastest and len(fastest) == len(by_rows):
-            chosen[group] = registry.by_rows(fastest)
-            log.info("attention group %d: %s", group, chosen[group])
+        names = _candidates(ctx.device, next(iter(by_rows.values())).dtype)
+        if len(names) < 2:
+            continue
+        kernels = group_kernels(
+            by_rows,
+            names,
+            sites[group],
+            lambda name, shape: _time_ms(name, shape, ctx.device),
+            cache,
+            lambda shape, names: shape.key(ctx.device, names),
+        )
+        if kernels is not None:
+            chosen[group] = kernels
+            log.info("attention group %d: %s", group, kernels)
     save_timings(path, cache)
     return chosen
 

@@ -7,6 +7,10 @@ narrow the outputs to the real sizes and copy them out. A call no bucket holds r
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
+A call holding one segment in an attention group whose measured kernels give one segment of its rows another
+kernel than its bucket's (a dense kernel for one large image: ``rewrite/kernel_choice``) runs the compiled code at
+its exact sizes instead, under ``smallest_bucket`` and ``measured`` alike, where its size guards allow.
+
 With ``call_choice="measured"``, the warm-up also times every bucket's replay and the compiled code at its sizes
 without a graph (``serve/call_costs``), and a call that fits a bucket takes the cheapest of: padding it to the
 smallest bucket (a replay), splitting it at a segment boundary over two smaller buckets (where
@@ -42,6 +46,7 @@ import torch
 
 from vgraph_compile.compile.assemble import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
+from vgraph_compile.kernels import registry
 from vgraph_compile.serve.call_costs import CallCosts, measure_call_costs, median_ms
 from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.spec import BucketShape
@@ -140,7 +145,8 @@ class VGraphRuntime:
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
-        """Calls per choice (``CHOICES``) under every call_choice but smallest_bucket."""
+        """Calls per choice (``CHOICES``) under every call_choice but smallest_bucket, whose replays are not counted
+        here (its exact-size calls for a one-segment kernel are)."""
         self._splitter = Splitter(self.spec) if can_split(self.spec) else None
         self._routes: dict[tuple[tuple[int, ...], bool], tuple[str, float]] = {}
         """Per (call sizes, stock offered): the cheapest of padding, the exact size and the stock module, and its
@@ -148,6 +154,9 @@ class VGraphRuntime:
         self._exact: dict[tuple[int, ...], dict[int, int] | None] = {}
         """Per call sizes: the size inputs of the compiled code at them, or None where it may not run at them (a size
         guard fails there)."""
+        self._exact_kernel: dict[tuple[int, ...], bool] = {}
+        """Per call sizes: whether the call runs at its exact sizes for a one-segment kernel
+        (``_one_segment_exact``)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
         """Per bucket budget: (rows, ms) of each timed stock call it would have served; replaced, never changed in
         place (callers read it without the lock)."""
@@ -365,6 +374,33 @@ class VGraphRuntime:
         self._exact[plan.key] = sizes
         return sizes
 
+    def _one_segment_exact(self, bucket: Bucket, plan: CallPlan) -> bool:
+        """Whether the call takes the compiled code at its exact sizes for its attention kernel: some attention group
+        holds one segment in it, and that group's kernels give one segment of the call's rows another kernel than
+        the bucket's (``registry.by_rows``: measured to save more than an exact-size call costs on the host), and the
+        code may run at those sizes. Never under sequence parallelism, whose ranks must run the same graphs."""
+        known = self._exact_kernel.get(plan.key, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known
+        chosen = False
+        if self.config.sequence_parallel is None:
+            values = self._exact_values(bucket, plan)
+            for site in self.spec.sites:
+                name = self.encoder.kernels.get(site.group)
+                group = self.spec.groups[site.group]
+                if name is None or evaluate(group.segments, values, "a group's segment count") != 1:
+                    continue
+                rows = evaluate(site.rows, values, "an attention site's rows")
+                bucket_rows = evaluate(site.rows, bucket.shape.values, "an attention site's rows")
+                bucket_kernel = registry.pick(name, bucket_rows, bucket.shape.segments[site.group])
+                if registry.pick(name, rows, 1) != bucket_kernel:
+                    chosen = self._exact_allowed(bucket, plan)
+                    break
+        if len(self._exact_kernel) >= _CHOICE_CACHE_SIZE:
+            self._exact_kernel.clear()
+        self._exact_kernel[plan.key] = chosen
+        return chosen
+
     def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
         fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too."""
@@ -472,7 +508,10 @@ class VGraphRuntime:
             return self._no_bucket(args, plan.sizes)
         self._measure_costs()
         with torch.no_grad() if grad else contextlib.nullcontext():
-            if self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
+            if self.call_choice in ("smallest_bucket", "measured") and self._one_segment_exact(bucket, plan):
+                self.choices[EXACT] += 1
+                results = self._run_exact(bucket, args, plan)
+            elif self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
                 results = self._replay(bucket, args, plan, key)
             else:
                 choice, split = self._route(bucket, args, plan, stock is not None)
