@@ -100,3 +100,21 @@ def test_auto_times_every_candidate_as_a_graph_replay(head_dim):
     assert {"torch_varlen", "dense_cudnn", "dense_flash", "dense_efficient"} <= set(names)
     for name in names:
         assert 0 < kernel_choice._time_ms(name, shape, CUDA) < 100, name
+
+
+@pytest.mark.parametrize("name", [name for name, backend in registry.BACKENDS.items() if not backend.qkv_offsets])
+@pytest.mark.parametrize("lengths, padding", [([300, 129, 7], 76), ([512], 0)])
+def test_opcheck_on_cuda(name, lengths, padding):
+    """Every kernel that runs on this GPU returns what the op's fake kernel promises (``torch.library.opcheck``:
+    shape, dtype, contiguous strides), at head_dim 72 (padded by the op for the kernels that need it)."""
+    from torch.library import opcheck
+
+    from vgraph_compile.kernels.ops import VARLEN_ATTENTION
+
+    _require(name, torch.bfloat16)
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    rows = sum(lengths) + padding
+    q, k, v = (
+        torch.randn(rows, 16, 72, device=CUDA, dtype=torch.bfloat16, generator=generator) for _ in range(3)
+    )
+    opcheck(VARLEN_ATTENTION.default, (q, k, v, cu_seqlens(lengths, CUDA), max(lengths), None, name))

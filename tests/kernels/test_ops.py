@@ -51,9 +51,29 @@ def test_strided_views_as_inputs():
     torch.testing.assert_close(out.double(), segment_reference(q, k, v, cu), rtol=1e-5, atol=1e-5)
 
 
-def test_opcheck():
-    q, k, v, cu = _packed([3, 5], padding=2)
-    opcheck(VARLEN_ATTENTION.default, (q, k, v, cu, 5, None, "sdpa"))
+CPU_KERNELS = [
+    name
+    for name, backend in registry.BACKENDS.items()
+    if not backend.qkv_offsets and backend.available(torch.device("cpu"), torch.float32)
+]
+
+
+@pytest.mark.parametrize(
+    "backend", [*CPU_KERNELS, registry.by_rows({8: "sdpa", 16: "flex"}, {8: "dense_flash", 16: "sdpa"})]
+)
+@pytest.mark.parametrize("lengths, padding", [([3, 5], 2), ([10], 0), ([4], 6)])
+def test_opcheck(backend, lengths, padding):
+    """Every kernel that runs on the CPU, and a per-bucket choice with one-segment entries, returns what the fake
+    kernel promises (shape, dtype, strides) under ``torch.library.opcheck``; the GPU tests check the CUDA ones."""
+    q, k, v, cu = _packed(lengths, padding)
+    opcheck(VARLEN_ATTENTION.default, (q, k, v, cu, max(lengths), None, backend))
+
+
+def test_packed_op_opcheck():
+    q, k, v, _ = _packed([3, 5], padding=2)
+    row = q.shape[1] * q.shape[2]
+    offsets = torch.tensor([0, 3 * row, 8 * row, 0, 3 * row, 8 * row], dtype=torch.int32)
+    opcheck(qkv_offsets_varlen_attention, (q, k, v, offsets, 5))
 
 
 def test_packed_op_refuses_strided_q_and_token_op_refuses_packed_backends():

@@ -56,8 +56,8 @@ def _varlen_attention(
         out = _at_supported_head_dim(resolved, q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
         return out if resolved.confined else finish_output(out, cu_seqlens)
 
-    if sequence_ranks > 1:
-        return sequence_attention(attend, q, k, v, cu_seqlens, sequence_group, sequence_ranks)
+    if sequence_ranks > 1:  # its all-to-all returns rows by rank: laid out again as the fake kernel promises
+        return sequence_attention(attend, q, k, v, cu_seqlens, sequence_group, sequence_ranks).contiguous()
     return attend(q, k, v, cu_seqlens, max_seqlen)
 
 
