@@ -68,7 +68,10 @@ class VGraphConfig:
     it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``), running the
     compiled code at the call's exact sizes with no graph, and the user's own module, by the cost table timed at
     warm-up (``serve/call_costs``: the warm-up then also runs the compiled code at every bucket's sizes) and
-    the stock module's times on real calls (``serve/runtime``); smallest_bucket: always the smallest bucket;
+    the stock module's times on real calls (``serve/runtime``); smallest_bucket: the smallest bucket, but for a
+    call whose padding rows cost more than the compiled code's host launch at its exact sizes (measured at warm-up
+    on CUDA: a large call) or whose one segment runs another kernel at its exact sizes (``rewrite/kernel_choice``),
+    which runs there (both apply under measured too);
     exact_size: always the compiled code at the call's sizes where its size guards allow, else the smallest
     bucket; stock: always the user's module where the caller can run it (``vgraph_compile.encoder`` and the HF
     towers can), else the smallest bucket. The last two are fixed choices, for comparing against measured."""
@@ -102,6 +105,10 @@ class VGraphConfig:
     """(process group name, ranks): every rank holds a slice of the packed rows, and the full-attention sites (every
     group but the ``window_offsets`` ones) attend over the group's ranks (``rewrite/sequence_attention``). Set by
     ``CompiledVisionTower`` in sequence mode (``hf/sequence_parallel``); None: one process holds all rows."""
+    static_rows: bool = False
+    """The trace is static: it serves calls of exactly its one budget (``token_budgets=(rows,)``, the traced row
+    count) from a static compile, with no padding. Set by ``CompiledTileTower`` for its one-tile graph, when the
+    trace dynamic in the tile count cannot run one tile (``hf/tiles``); False: the token rows are symbolic."""
     artifact_dir: str | None = None
     """Directory of saved compiled encoders (``compile/artifacts``): the first process saves the inductor compile,
     later ones load it instead of compiling. None: the ``VGRAPH_ARTIFACT_DIR`` environment variable, else
@@ -187,6 +194,11 @@ class VGraphConfig:
                 self.geometry.bounds(budget, items, frames)
         if self.compiler not in ("inductor", "eager"):
             raise ValueError(f"VGraphConfig.compiler={self.compiler!r} is unknown: choose 'inductor' or 'eager'")
+        if self.static_rows and (self.token_budgets is None or len(budgets) != 1):
+            raise ValueError(
+                f"VGraphConfig.static_rows serves one row count: give token_budgets=(rows,), got "
+                f"token_budgets={self.token_budgets}"
+            )
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> "VGraphConfig":

@@ -89,6 +89,8 @@ PHASES = {
     "compile": "the pipeline's one inductor compile, or the load of its saved artifact (``compile_once``)",
     "assemble": "the pipeline's assembly: parameters bound, kernels prepared, buffers allocated",
     "captures": "every bucket's CUDA graph captured, largest first (``compile/buckets.capture``)",
+    "padding_costs": "what padding rows cost against a call at its exact sizes, measured at warm-up on CUDA "
+    "(``serve/call_costs.PaddingCosts``)",
     "call_costs": "the cost table of the ways to serve a call, measured at warm-up (``serve/call_costs``)",
 }
 """The start-up phases ``startup_phases`` times, and what each holds."""

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 import vgraph_compile
-from vgraph_compile.serve.call_costs import CallCosts, fill_full
+from vgraph_compile.serve.call_costs import (
+    EXACT_HOST_SHARE,
+    CallCosts,
+    PaddingCosts,
+    fill_full,
+    measure_padding_costs,
+)
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
 
@@ -47,3 +53,37 @@ def test_the_warmup_times_every_bucket_and_fills_each_full():
     expected = [min(segment * max_seqlen, 40) for segment in range(offsets.shape[0])]
     assert offsets.tolist() == expected and expected[1] > 0
     assert patches.shape[0] == 40 and bool((patches.abs().sum(-1) > 0).all())
+
+
+def test_exact_size_saves_where_launches_hide_behind_the_rows_work_and_padding_is_worth_it():
+    """Bucket 8192 replays in 40 ms with no segment, and the exact run launches in 2 ms on the host: a call of 4096
+    rows does at least 20 ms of work there (2 <= 0.5 * 20) and spares 20 ms of padding; 8100 rows spare 0.44 ms,
+    under 2% of their 39.6; the 1024 bucket's 2 ms cannot hide 2 ms of launches; 512 was never timed."""
+    costs = PaddingCosts(budgets=(1024, 8192), empty_ms=(2.0, 40.0), exact_host_ms=2.0)
+    assert costs.exact_saves(8192, 4096)
+    assert not costs.exact_saves(8192, 8100)
+    assert costs.exact_saves(8192, 7900)  # 1.44 ms spared, 3.7% of 38.6
+    assert not costs.exact_saves(8192, 800)  # 3.9 ms of work: launches not hidden
+    assert not costs.exact_saves(1024, 600)
+    assert not costs.exact_saves(512, 300)
+
+
+def test_padding_costs_time_buckets_largest_first_down_to_the_first_that_hides_no_launch():
+    """The timed budgets are the largest ones, each but the smallest of them hiding the exact run's launches, and
+    that smallest hiding none unless it is the smallest bucket (on the CPU the exact run's host time is its whole
+    time, so the walk stops early)."""
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    compiled = vgraph_compile.encoder(model, token_budgets=(16, 40, 64), max_segments=6, compiler="eager")
+    with torch.no_grad():
+        compiled(*pack_images([3, 4], 12))
+    runtime = compiled.vgraph.runtimes[0]
+    buckets = runtime.buckets
+    costs = measure_padding_costs(
+        buckets, lambda bucket: bucket.run(runtime.encoder.compiled), runtime.encoder.compiled,
+        runtime.encoder.roles, torch.device("cpu"),
+    )
+    budgets = tuple(bucket.shape.budget for bucket in buckets)
+    assert costs.budgets == budgets[-len(costs.budgets) :] and min(costs.empty_ms) > 0 and costs.exact_host_ms > 0
+    hides = [costs.exact_host_ms <= EXACT_HOST_SHARE * ms for ms in costs.empty_ms]
+    assert all(hides[1:]) and (not hides[0] or costs.budgets[0] == budgets[0])

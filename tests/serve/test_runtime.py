@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import vgraph_compile
 from tests.helpers import counter_changes
-from vgraph_compile.serve.call_costs import CallCosts
+from vgraph_compile.serve.call_costs import CallCosts, PaddingCosts
 from vgraph_compile.counters import counters
 from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import cu_seqlens
@@ -105,8 +105,9 @@ def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_anot
     runs that kernel; a call of several segments, or one segment where the entries agree, replays its bucket."""
     name = registry.by_rows({16: "sdpa", 64: "sdpa", 128: "sdpa"}, {16: "sdpa", 64: "dense_flash", 128: "dense_flash"})
     monkeypatch.setattr(kernel_choice, "choose_kernels", lambda gm, ctx: {0: name})
+    one_segment_model = _OwnTrace(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8).eval()
     compiled = vgraph_compile.encoder(
-        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
+        one_segment_model, token_budgets=BUDGETS, max_segments=6, compiler="eager", attention_backend="sdpa"
     )
     with torch.no_grad():
         compiled(*pack_images([5, 7], 12))
@@ -115,8 +116,36 @@ def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_anot
         for lengths, replays in (([40], 0), ([100], 0), ([10], 1), ([20, 20], 1), ([3, 90], 1)):
             inputs = pack_images(lengths, 12)
             with counters.expect(replays=replays):
-                torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(compiled(*inputs), one_segment_model(*inputs), rtol=1e-5, atol=1e-5)
     assert runtime.choices[EXACT] == 2
+
+
+class _OwnTrace(PackedViT):
+    """``PackedViT`` under a forward of its own: dynamo's per-code recompile limit, which this module's other
+    encoders of ``PackedViT.forward`` approach, does not count its trace."""
+
+    def forward(self, *args):
+        return super().forward(*args)
+
+
+def test_a_call_whose_padding_costs_more_than_the_exact_launch_runs_at_its_exact_size(model, compiled):
+    """With padding costs of the shape a large tower measures on a GPU (bucket 128: 40 ms of row work, 2 ms of
+    launches), a call of 100 rows runs the compiled code at its sizes; a call of 126 rows (2% of padding is
+    not worth it) and one in bucket 64 (never timed: too small to hide launches) replay their buckets."""
+    runtime = compiled.vgraph.runtimes[0]
+    exact_before = runtime.choices[EXACT]
+    runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), exact_host_ms=2.0)
+    runtime._exact_first_choices.clear()
+    try:
+        with torch.no_grad():
+            for lengths, replays in (([60, 40], 0), ([100], 0), ([70, 56], 1), ([30, 30], 1)):
+                inputs = pack_images(lengths, 12)
+                with counters.expect(replays=replays):
+                    torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+        assert runtime.choices[EXACT] == exact_before + 2
+    finally:
+        runtime.padding = None
+        runtime._exact_first_choices.clear()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""The cost table the runtime's per-call choice reads: each bucket's replay time and the compiled code's time at
+"""The cost tables the runtime's per-call choice reads. ``PaddingCosts`` (every CUDA runtime, at warm-up): what a
+call's padding rows cost against the host launch of the compiled code at its exact sizes. ``CallCosts``
+(``call_choice="measured"``): each bucket's replay time and the compiled code's time at
 each bucket's sizes run without a graph (as a call at its exact sizes runs it), measured once at warm-up, after the
 capture.
 
@@ -28,7 +30,7 @@ from vgraph_compile.serve import fills
 from vgraph_compile.spec import Role, VarlenSpec
 from vgraph_compile.symbolic import evaluate
 
-__all__ = ["CallCosts", "fill_full", "measure_call_costs", "median_ms"]
+__all__ = ["CallCosts", "PaddingCosts", "fill_full", "measure_call_costs", "measure_padding_costs", "median_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +72,78 @@ class CallCosts:
         )
 
 
-def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generator: torch.Generator) -> None:
-    """Fill ``bucket`` as its costliest call (module docstring): random token rows, each group that ends at its
-    rows cut into segments of the bucket's ``max_seqlen``, the rest as for a call with no tokens."""
+EXACT_HOST_SHARE = 0.5
+"""A call leaves its bucket's graph for the compiled code at its exact sizes only where that code's host time is at
+most this share of the call's least device time: its launches then run ahead of the GPU, which pays no gaps."""
+EXACT_MIN_SAVING = 0.02
+"""... and where its padding rows cost at least this share of its own rows' work outside attention."""
+
+
+@dataclass(frozen=True)
+class PaddingCosts:
+    """What the default choice weighs a call's padding rows against: per budget (ascending), the bucket's replay
+    with random token rows and no segment (device ms: every row's work but attention, which the varlen kernels
+    spare a padding row), and the host ms of one call of the compiled code with no graph (launching every kernel)."""
+
+    budgets: tuple[int, ...]
+    empty_ms: tuple[float, ...]
+    exact_host_ms: float
+
+    def exact_saves(self, budget: int, rows: int) -> bool:
+        """Whether a call of ``rows`` rows runs faster at its exact sizes than padded to ``budget``: its rows' work
+        outside attention (``rows / budget`` of the empty replay, the least its device time can be) hides the
+        host's launches (``EXACT_HOST_SHARE``), and the padding rows' share of that work is worth it
+        (``EXACT_MIN_SAVING``). A budget that was not timed (too small to hide any launch) never saves."""
+        if budget not in self.budgets:
+            return False
+        empty = self.empty_ms[self.budgets.index(budget)]
+        least = empty * rows / budget
+        return self.exact_host_ms <= EXACT_HOST_SHARE * least and empty - least >= EXACT_MIN_SAVING * least
+
+
+def measure_padding_costs(
+    buckets: list[Bucket], run: Callable[[Bucket], object], exact: Callable[[list], object],
+    roles: dict[int, Role], device: torch.device,
+) -> PaddingCosts:
+    """Time the compiled code's host launch once (at the smallest bucket's sizes, no graph, no sync), then each
+    bucket's replay with no segment, largest first, down to the first bucket whose replay could not hide those
+    launches (the smaller ones cannot either)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        fills.empty_bucket(buckets[0], roles)
+        exact(list(buckets[0].inputs))  # first run: allocations, lazy loads
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        exact(list(buckets[0].inputs))
+        host_ms = (time.perf_counter() - begin) * 1e3
+        timed = {}
+        for bucket in sorted(buckets, key=lambda bucket: -bucket.shape.budget):
+            _random_tokens(bucket, roles, generator)
+            timed[bucket.shape.budget] = median_ms(lambda: run(bucket), device, repeats=1)
+            if host_ms > EXACT_HOST_SHARE * timed[bucket.shape.budget]:
+                break
+    costs = PaddingCosts(tuple(sorted(timed)), tuple(timed[budget] for budget in sorted(timed)), host_ms)
+    log.info(
+        "padding costs measured at warm-up: exact-size host launch %.3f ms; empty replays (ms) %s",
+        host_ms,
+        dict(zip(costs.budgets, costs.empty_ms)),
+    )
+    return costs
+
+
+def _random_tokens(bucket: Bucket, roles: dict[int, Role], generator: torch.Generator) -> None:
+    """Fill ``bucket`` as a call with no tokens, but with random values in its floating token rows."""
     fills.empty_bucket(bucket, roles)
     for index, buffer in bucket.buffers.items():
         if roles[index] is Role.TOKENS and buffer.is_floating_point():
             buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+
+
+def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generator: torch.Generator) -> None:
+    """Fill ``bucket`` as its costliest call (module docstring): random token rows, each group that ends at its
+    rows cut into segments of the bucket's ``max_seqlen``, the rest as for a call with no tokens."""
+    _random_tokens(bucket, roles, generator)
     for group, length in zip(spec.groups, bucket.shape.max_seqlen):
         offsets = bucket.buffers.get(group.offsets_input)
         if group.ends_at is None or offsets is None or roles[group.offsets_input] is not Role.SEGMENT_OFFSETS:

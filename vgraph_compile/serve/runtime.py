@@ -7,9 +7,11 @@ narrow the outputs to the real sizes and copy them out. A call no bucket holds r
 the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
 are inference-only).
 
-A call holding one segment in an attention group whose measured kernels give one segment of its rows another
-kernel than its bucket's (a dense kernel for one large image: ``rewrite/kernel_choice``) runs the compiled code at
-its exact sizes instead, under ``smallest_bucket`` and ``measured`` alike, where its size guards allow.
+Under ``smallest_bucket`` and ``measured`` alike, a call runs the compiled code at its exact sizes instead (where
+its size guards allow) when its padding rows would cost more than that code's host launch can lose
+(``call_costs.PaddingCosts``, measured at warm-up on CUDA: large calls pay no padding), or when it holds one segment
+in an attention group whose measured kernels give one segment of its rows another kernel than its bucket's (a
+dense kernel for one large image: ``rewrite/kernel_choice``).
 
 With ``call_choice="measured"``, the warm-up also times every bucket's replay and the compiled code at its sizes
 without a graph (``serve/call_costs``), and a call that fits a bucket takes the cheapest of: padding it to the
@@ -47,7 +49,13 @@ import torch
 from vgraph_compile.compile.assemble import CompiledEncoder
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.kernels import registry
-from vgraph_compile.serve.call_costs import CallCosts, measure_call_costs, median_ms
+from vgraph_compile.serve.call_costs import (
+    CallCosts,
+    PaddingCosts,
+    measure_call_costs,
+    measure_padding_costs,
+    median_ms,
+)
 from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.spec import BucketShape
 from vgraph_compile.serve import fills
@@ -142,6 +150,8 @@ class VGraphRuntime:
         self.call_choice = self.config.call_choice
         """How calls that fit a bucket are served (``VGraphConfig.call_choice``); may be changed between calls (the
         cost table is measured when ``measured`` first needs it)."""
+        self.padding: PaddingCosts | None = None
+        """What padding rows cost against the compiled code at a call's exact sizes (measured at warm-up on CUDA)."""
         self.costs: CallCosts | None = None
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
@@ -154,9 +164,8 @@ class VGraphRuntime:
         self._exact: dict[tuple[int, ...], dict[int, int] | None] = {}
         """Per call sizes: the size inputs of the compiled code at them, or None where it may not run at them (a size
         guard fails there)."""
-        self._exact_kernel: dict[tuple[int, ...], bool] = {}
-        """Per call sizes: whether the call runs at its exact sizes for a one-segment kernel
-        (``_one_segment_exact``)."""
+        self._exact_first_choices: dict[tuple[int, ...], bool] = {}
+        """Per call sizes: whether the call runs at its exact sizes before any bucket (``_exact_first``)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
         """Per bucket budget: (rows, ms) of each timed stock call it would have served; replaced, never changed in
         place (callers read it without the lock)."""
@@ -178,8 +187,33 @@ class VGraphRuntime:
         if self.encoder.captured:
             return False
         self.encoder.warmup(lambda bucket: fills.empty_bucket(bucket, self.encoder.roles))
+        self._measure_padding()
         self._measure_costs()
         return True
+
+    def _measure_padding(self) -> None:
+        """The padding costs (``call_costs.PaddingCosts``), once the graphs are captured on CUDA: what a call's
+        padding rows cost against running the compiled code at its exact sizes. Never under sequence parallelism,
+        whose ranks must run the same graphs."""
+        if (
+            self.padding is not None
+            or not self.encoder.captured
+            or not self.encoder.cudagraphs
+            or not self.buckets
+            or self.config.sequence_parallel is not None
+        ):
+            return
+        with self._lock, startup_phases.phase("padding_costs"):
+            if self.padding is None:
+                self._on_call_stream()
+                self.padding = measure_padding_costs(
+                    self.buckets,
+                    lambda bucket: bucket.run(self.encoder.compiled),
+                    self.encoder.compiled,
+                    self.encoder.roles,
+                    self.device,
+                )
+                self._exact_first_choices.clear()  # after: a choice made without the costs is not kept
 
     def _measure_costs(self) -> None:
         """The cost table, once ``measured`` needs it and the graphs are captured; measured once, holding the lock
@@ -218,7 +252,8 @@ class VGraphRuntime:
 
     def _forget_buckets(self) -> None:
         """Drop every cache that holds a bucket, its buffers or a choice among the buckets (under the lock)."""
-        for cache in (self._chosen, self._views, self._routes, self._exact, self._fills, self._staged):
+        caches = (self._chosen, self._views, self._routes, self._exact, self._exact_first_choices, self._fills)
+        for cache in (*caches, self._staged):
             cache.clear()
         self._split_floors.clear()
 
@@ -374,32 +409,41 @@ class VGraphRuntime:
         self._exact[plan.key] = sizes
         return sizes
 
-    def _one_segment_exact(self, bucket: Bucket, plan: CallPlan) -> bool:
-        """Whether the call takes the compiled code at its exact sizes for its attention kernel: some attention group
-        holds one segment in it, and that group's kernels give one segment of the call's rows another kernel than
-        the bucket's (``registry.by_rows``: measured to save more than an exact-size call costs on the host), and the
-        code may run at those sizes. Never under sequence parallelism, whose ranks must run the same graphs."""
-        known = self._exact_kernel.get(plan.key, _UNKNOWN)
+    def _exact_first(self, bucket: Bucket, plan: CallPlan) -> bool:
+        """Whether the call runs the compiled code at its exact sizes rather than any bucket: for a one-segment
+        kernel (``_one_segment_kernel``), or because its padding rows cost more than the exact run's host launch
+        can lose (``PaddingCosts.exact_saves``), where the code may run at its sizes."""
+        known = self._exact_first_choices.get(plan.key, _UNKNOWN)
         if known is not _UNKNOWN:
             return known
-        chosen = False
-        if self.config.sequence_parallel is None:
-            values = self._exact_values(bucket, plan)
-            for site in self.spec.sites:
-                name = self.encoder.kernels.get(site.group)
-                group = self.spec.groups[site.group]
-                if name is None or evaluate(group.segments, values, "a group's segment count") != 1:
-                    continue
-                rows = evaluate(site.rows, values, "an attention site's rows")
-                bucket_rows = evaluate(site.rows, bucket.shape.values, "an attention site's rows")
-                bucket_kernel = registry.pick(name, bucket_rows, bucket.shape.segments[site.group])
-                if registry.pick(name, rows, 1) != bucket_kernel:
-                    chosen = self._exact_allowed(bucket, plan)
-                    break
-        if len(self._exact_kernel) >= _CHOICE_CACHE_SIZE:
-            self._exact_kernel.clear()
-        self._exact_kernel[plan.key] = chosen
+        padding = self.padding
+        chosen = (
+            padding is not None and padding.exact_saves(bucket.shape.budget, plan.tokens)
+        ) or self._one_segment_kernel(bucket, plan)
+        chosen = chosen and self._exact_allowed(bucket, plan)
+        if len(self._exact_first_choices) >= _CHOICE_CACHE_SIZE:
+            self._exact_first_choices.clear()
+        self._exact_first_choices[plan.key] = chosen
         return chosen
+
+    def _one_segment_kernel(self, bucket: Bucket, plan: CallPlan) -> bool:
+        """Whether some attention group holds one segment in the call, and that group's kernels give one segment of
+        the call's rows another kernel than the bucket's (``registry.by_rows``: measured to save more than an
+        exact-size call costs on the host). Never under sequence parallelism, whose ranks must run the same
+        graphs."""
+        if self.config.sequence_parallel is not None:
+            return False
+        values = self._exact_values(bucket, plan)
+        for site in self.spec.sites:
+            name = self.encoder.kernels.get(site.group)
+            group = self.spec.groups[site.group]
+            if name is None or evaluate(group.segments, values, "a group's segment count") != 1:
+                continue
+            rows = evaluate(site.rows, values, "an attention site's rows")
+            bucket_rows = evaluate(site.rows, bucket.shape.values, "an attention site's rows")
+            if registry.pick(name, rows, 1) != registry.pick(name, bucket_rows, bucket.shape.segments[site.group]):
+                return True
+        return False
 
     def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
@@ -506,9 +550,10 @@ class VGraphRuntime:
         bucket = self._choose(plan)
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
+        self._measure_padding()
         self._measure_costs()
         with torch.no_grad() if grad else contextlib.nullcontext():
-            if self.call_choice in ("smallest_bucket", "measured") and self._one_segment_exact(bucket, plan):
+            if self.call_choice in ("smallest_bucket", "measured") and self._exact_first(bucket, plan):
                 self.choices[EXACT] += 1
                 results = self._run_exact(bucket, args, plan)
             elif self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
