@@ -61,7 +61,7 @@ PACKED = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 TINY_OPTIONS = {"packed": {"token_budgets": [256, 1024]}, "tiled": {"max_items": 8}}
 """With ``--tiny``: few small buckets, so the harness runs on the CPU in minutes (``--options`` overrides)."""
 TILED = ("internvit-448",)
-"""Fixed-tile towers (``hf_tiles.build_tower``'s names)."""
+"""Fixed-tile towers (``bench.tile_towers.build_tile_tower``'s names)."""
 
 
 def _profile(fn, calls: int, device: str) -> list[str]:
@@ -85,9 +85,9 @@ def _build(kind: str, tiny: bool, resize: dict, device: str) -> torch.nn.Module:
     """The ``kind`` tower with random weights in bf16 on ``device`` (toy sizes with ``tiny``; ``resize``: config
     fields of a packed tower)."""
     if kind in TILED:
-        from hf_tiles import build_tower
+        from vgraph_compile.bench.tile_towers import build_tile_tower
 
-        return build_tower(kind, tiny, torch.bfloat16, device)
+        return build_tile_tower(kind, tiny, torch.bfloat16, device)
     from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     return qwen_tower(kind, device=device, dtype=torch.bfloat16, **{**(TOY_SIZES[kind] if tiny else {}), **resize})

@@ -22,7 +22,7 @@ from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.timing import median_ms
 
 SHAPES = {"idefics3-384": (729, 16, 72), "internvit-448": (1025, 16, 64), "gemma3-896": (4096, 16, 72)}
-"""Tower -> (tokens a tile, heads, head dim), as benchmarks/hf_tiles.py builds them."""
+"""Tower -> (tokens a tile, heads, head dim), as ``bench.tile_towers`` builds them."""
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION}  # fmt: skip
 TILES = (1, 13)
@@ -59,11 +59,11 @@ def kernel_rows(repeats: int) -> dict[str, Any]:
 
 
 def tower_rows(repeats: int) -> dict[str, Any]:
-    import hf_tiles
+    from vgraph_compile.bench.tile_towers import build_tile_tower
 
     rows: dict[str, Any] = {}
     for name in SHAPES:
-        tower = hf_tiles.build_tower(name, False, torch.bfloat16, "cuda")
+        tower = build_tile_tower(name, False, torch.bfloat16, "cuda")
         size = tower.config.image_size if isinstance(tower.config.image_size, int) else tower.config.image_size[0]
         pixels = torch.randn(13, 3, size, size, device="cuda", dtype=torch.bfloat16)
         choices = {"default": None, **BACKENDS}

@@ -1,12 +1,14 @@
 """tower_flops counts what a tower runs, for any family: it equals a hand count of a tiny tower (linears
 2 * rows * in * out, convolution per patch, attention 4 * sum(L^2) * width over the full layer's one segment and
-the window layer's windows), under ``torch.no_grad`` and under ``torch.inference_mode`` alike; separate items add
-up, and the count lies between every weight touching each merged token once and each patch once."""
+the window layer's windows), under ``torch.no_grad`` and under ``torch.inference_mode`` alike, with the attention
+share split from the rest; separate items add up, and the count lies between every weight touching each merged
+token once and each patch once. A tile tower's SDPA counts as attention on the CPU too."""
 
 import pytest
 import torch
 
-from vgraph_compile.bench.flops import tower_flops
+from vgraph_compile.bench.flops import count_flops, tower_flop_split, tower_flops
+from vgraph_compile.bench.tile_towers import build_tile_tower
 from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 pytest.importorskip("transformers", minversion="5.23")
@@ -37,6 +39,9 @@ def test_flops_equal_a_hand_count_of_a_tiny_windowed_tower(grad_mode):
     hand = patch_embedding + 2 * block_linears + attention([64, 32], width) + attention([96], width) + merger
     with grad_mode():
         assert tower_flops(tower, [(1, 8, 12)]) == hand
+        split = tower_flop_split(tower, [(1, 8, 12)])
+    assert split.attention == attention([64, 32], width) + attention([96], width)
+    assert split.linear == hand - split.attention
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "ernie4_5_vl_moe"])
@@ -52,3 +57,15 @@ def test_flops_add_up_over_items_and_lie_between_the_weight_bounds(name):
     attention_bound = 4 * patches * patches * width * layers
     assert 2 * parameters * patches // merge**2 < one <= 2 * parameters * patches + attention_bound
     assert tower_flops(tower, [(1, 8 * merge, 12 * merge)]) > 4 * one  # attention grows faster than the patches
+
+
+def test_sdpa_of_a_tile_tower_counts_as_attention_on_the_cpu():
+    """InternViT shrunk: 32 px tiles of 8 px patches (16 patches and the CLS row: 17 rows), width 32, two layers. The
+    CPU's flash SDPA kernel, which torch's counter does not count, counts 4 * 17^2 * 32 per tile and layer."""
+    tower = build_tile_tower("internvit-448", True, torch.float32, "cpu")
+    assert (tower.config.hidden_size, tower.config.num_hidden_layers) == (32, 2)
+    pixels = torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        split = count_flops(lambda: tower(pixels))
+    assert split.attention == 3 * 2 * attention([17], 32)
+    assert split.linear > 2 * 3 * 17 * 2 * (4 * 32 * 32)  # at least q, k, v and o of both layers

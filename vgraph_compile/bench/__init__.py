@@ -17,8 +17,10 @@ Per system: warm-up (build and first call), latencies of the seeded requests, fi
 re-records after warm-up, peak memory, and for vgraph its own counters. Each system gets a wall-clock limit;
 one that does not finish is reported with how far it got.
 
-Modules, from the bottom up: ``timing`` (clocks and capture counts), ``flops`` (the MFU's numerator and
-denominator), ``workload`` (the fixed cases and the seeded requests as grids), ``result`` (one system's
+Modules, from the bottom up: ``timing`` (clocks and capture counts), ``flops`` (FLOPs split into attention and
+the rest, the roofline they bound, and the MFU's denominator), ``install`` (which install a run had, and its
+versions), ``kernel_profile`` (device time by kind of kernel), ``tile_towers`` (the fixed-tile towers benchmarked),
+``workload`` (the fixed cases and the seeded requests as grids), ``result`` (one system's
 measures), ``systems`` (how each system is built), ``oracle`` (the exact-shape oracle), ``harness`` (runs every
 system on one workload), ``targets`` and ``report`` (verdicts, tables, JSON and plot), ``second_start`` (the
 warm-up again in a fresh process) and ``cli`` (``vgraph-bench``). ``benchmarks/*.py`` import what they need from

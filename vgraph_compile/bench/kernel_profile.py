@@ -1,5 +1,6 @@
 """Where a call's device time goes: its kernels under the torch profiler, grouped by kind (collectives, attention,
-matmuls, inductor's fused kernels). Kernels replayed from a captured CUDA graph are traced like launched ones."""
+matmuls, inductor's fused kernels). Kernels replayed from a captured CUDA graph are traced like launched ones. On the
+CPU (benchmarks' toy runs) the aten ops' own CPU time stands for the kernels'."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ KINDS = {
     "all-gather (nccl)": ("allgather",),
     "other collectives (nccl)": ("nccl",),
     "attention": ("flash", "fmha", "attn", "sdpa", "cudnn"),
-    "gemm": ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "_mm_"),
+    "gemm": ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "_mm_", "aten::mm", "aten::addmm", "aten::bmm"),
     "triton (inductor fused)": ("triton",),
 }
 """Kernel kinds, by substrings of the lowered kernel name; the first match wins (NCCL's kernels before the rest),
-anything else is ``other``."""
+anything else is ``other``. The ``aten::`` names are the CPU's matmul ops."""
 
 
 def kind_of(kernel: str) -> str:
@@ -26,19 +27,26 @@ def kind_of(kernel: str) -> str:
     return next((kind for kind, marks in KINDS.items() if any(mark in lowered for mark in marks)), "other")
 
 
-def kernel_breakdown(fn: Callable[[], object], calls: int = 1, top: int = 15) -> dict:
-    """``calls`` calls of ``fn`` under the profiler (CUDA kernels only): device ms per call in total, and per kind
-    its ms and launches per call, and the ``top`` kernels by device time (ms per call, launches per call)."""
+def kernel_breakdown(fn: Callable[[], object], calls: int = 1, top: int = 15, device: str = "cuda") -> dict:
+    """``calls`` calls of ``fn`` under the profiler (CUDA kernels only; on a CPU ``device``, the aten ops' own CPU
+    time): device ms per call in total, and per kind its ms and launches per call, and the ``top`` kernels by
+    device time (ms per call, launches per call)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     kernels = []
     for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if cuda:
+            us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        else:
+            us = event.self_cpu_time_total if event.key.startswith("aten::") else 0
         if us > 0:
             kernels.append((event.key, us / 1e3 / calls, event.count / calls))
     kernels.sort(key=lambda kernel: -kernel[1])
