@@ -5,7 +5,11 @@ sizes, or refused with a ValueError before anything compiles. Refusals are count
 Parts: a window permutation by index (``x.view(T // 4, 4, d)[window_index]``, Qwen2.5-VL's layout, undone after
 the merger), or a CLS row per image placed by ``cat`` then an index, by ``index_copy`` or by ``scatter``; learned
 positions (a table indexed by position ids) or rotary ones (q and k rotated by them); window and full-attention
-blocks in any order; a 2 x 2 merger."""
+blocks in any order; a 2 x 2 merger.
+
+Qwen2.5-VL's window permutation written by hand in each form a user may write it (merge units of 4 or 9 rows,
+grouped by ``view``, ``reshape`` or ``unflatten``, permuted by an index or ``index_select``) is served through
+plain ``torch.compile``: its row count ``T // (T // 4)``-shaped sizes reduce by the ShapeEnv's facts."""
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vgraph_compile
-from tests.helpers import THOROUGH
+from tests.helpers import THOROUGH, counter_changes
 from tests.conftest import report
 from vgraph_compile.entry.backend import vgraph_backend
 from vgraph_compile.counters import counters
@@ -176,3 +180,70 @@ def test_refusals_are_rare():
     for refusal in REFUSED:
         report(f"  {refusal.splitlines()[0][:300]}")
     assert len(REFUSED) * 5 <= len(DRAWN), REFUSED
+
+
+class HandWindowedEncoder(nn.Module):
+    """Qwen2.5-VL's layout written by hand: rows grouped by the merge unit (``unit`` rows: 4 or 9) with ``group``
+    (``view``, ``reshape`` or ``unflatten``), permuted into windows by ``select`` (an index or ``index_select``), a
+    window block then a full-attention block, and the inverse permutation at the end."""
+
+    def __init__(self, unit: int, group: str, select: str) -> None:
+        super().__init__()
+        self.unit, self.group, self.select = unit, group, select
+        self.embed = nn.Linear(PATCH_DIM, WIDTH)
+        self.window, self.full = _Block(rotary=False), _Block(rotary=False)
+
+    def forward(self, patches, cu_seqlens, max_seqlen, cu_window_seqlens, max_window_seqlen, window_index):
+        x = self.embed(patches)
+        tokens, width, unit = *x.shape, self.unit
+        if self.group == "view":
+            units = x.view(tokens // unit, unit, width)
+        elif self.group == "reshape":
+            units = x.reshape(tokens // unit, unit, width)
+        else:
+            units = x.unflatten(0, (tokens // unit, unit))
+        units = units[window_index] if self.select == "index" else units.index_select(0, window_index)
+        x = units.reshape(tokens, width)
+        x = self.window(x, cu_window_seqlens, max_window_seqlen, None)
+        x = self.full(x, cu_seqlens, max_seqlen, None)
+        return x.view(tokens // unit, unit, width)[torch.argsort(window_index)].reshape(tokens, width)
+
+
+_HAND_WINDOWED = [
+    (unit, group, select)
+    for unit in (4, 9)
+    for group in ("view", "reshape", "unflatten")
+    for select in ("index", "index_select")
+]
+"""Every form: ``HYPOTHESIS_PROFILE=thorough`` runs all twelve."""
+_HAND_WINDOWED_CI = [(4, "view", "index"), (9, "reshape", "index_select"), (4, "unflatten", "index_select"),
+                     (9, "view", "index")]  # fmt: skip
+"""Four that write each option at least once, the reported one (merge units of 4, ``view``, an index) first."""
+
+
+@pytest.mark.parametrize("unit, group, select", _HAND_WINDOWED if THOROUGH else _HAND_WINDOWED_CI)
+def test_hand_written_window_permutation_through_plain_torch_compile(unit, group, select, caplog):
+    """Equal to eager on every call, and every call after the first served by a bucket graph (counted replays, no
+    eager fallback). The first call has as many merge units as the patch width (12): dynamo's duck sizing makes
+    ``window_index``'s length that static width, and the guards then fix the tokens at ``12 * unit``. With the
+    ShapeEnv's facts (``symbolic.canonical``: ``T // (T // unit) == unit``) that trace's row count is the constant it
+    is, so it runs as traced (a static trace, no refusal) and the next call traces every size once."""
+    merge = {4: 2, 9: 3}[unit]
+    geometry = VisionGeometry(patch_size=14, temporal_patch_size=1, spatial_merge_size=merge, window_size=56 * merge)
+    torch.manual_seed(0)
+    model = HandWindowedEncoder(unit, group, select).eval()
+    options = dict(token_budgets=[32 * unit, 128 * unit], compiler="eager", geometry=geometry, max_items=3,
+                   window_offsets=("cu_window_seqlens",))  # fmt: skip
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="vgraph", dynamic=True, options=options)
+    m = merge
+    calls = ([(1, 2 * m, 6 * m)], [(1, 2 * m, 4 * m), (1, 4 * m, 2 * m)], [(1, 4 * m, 6 * m), (1, 2 * m, 2 * m)],
+             [(1, 6 * m, 2 * m), (1, 2 * m, 4 * m), (1, 2 * m, 2 * m)])  # fmt: skip
+    with torch.no_grad(), counter_changes() as changes:
+        for seed, grid in enumerate(calls):
+            torch.manual_seed(seed)
+            inputs = windowed_inputs(geometry, grid, PATCH_DIM)
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert (changes["static_traces"], changes["traces"]) == (1, 1), changes
+    assert f"packed row count at {12 * unit} (with window_index.shape[0] == 12)" in caplog.text
+    assert (changes["replays"], changes["eager_fallbacks"]) == (len(calls) - 1, 0), changes

@@ -1,6 +1,7 @@
 """Sizes as sympy expressions of the trace's symbols: substituted, evaluated, refused when a symbol has no value,
-and (``canonical``) put in the trace's canonical symbols with the ShapeEnv's divisibility facts used, on a real
-ShapeEnv whose fact comes from a guard as a ``view`` records it."""
+and (``canonical``) put in the trace's canonical symbols with what the ShapeEnv knows used: its divisibility facts,
+a multiple recorded as an equality guard, and a floor division its guards fix; on a real ShapeEnv whose facts come
+from guards as a ``view`` records them."""
 
 import pytest
 import sympy
@@ -33,13 +34,18 @@ def test_traced_values_are_the_values_of_the_traced_call():
     assert unbacked.node.expr not in traced_values(shape_env)
 
 
-def _tokens_a_multiple_of(divisor: int):
-    """A ShapeEnv with one token symbol ``T`` (traced at 48) and the guard ``T % divisor == 0``."""
+def _tokens_with(guard):
+    """A ShapeEnv with one token symbol ``T`` (traced at 48) and the guard ``guard(T)`` recorded."""
     env = ShapeEnv()
     symbol = env.create_symbol(48, source=ConstantSource("T"), dynamic_dim=DimDynamic.DYNAMIC)
     tokens = env.create_symintnode(symbol, hint=48)
-    assert bool(tokens % divisor == 0)
+    assert bool(guard(tokens))
     return env, symbol
+
+
+def _tokens_a_multiple_of(divisor: int):
+    """A ShapeEnv with one token symbol ``T`` (traced at 48) and the guard ``T % divisor == 0``."""
+    return _tokens_with(lambda tokens: tokens % divisor == 0)
 
 
 def test_divisibility_facts_simplify_floor_divisions_and_guards():
@@ -59,4 +65,23 @@ def test_no_fact_no_rewrite():
     """``T // 8`` under ``T % 4 == 0`` proves nothing: it is kept."""
     env, tokens = _tokens_a_multiple_of(4)
     assert canonical(env, FloorDiv(tokens, 8)) == FloorDiv(tokens, 8)
+    assert canonical(env, FloorDiv(tokens, FloorDiv(tokens, 8))) == FloorDiv(tokens, FloorDiv(tokens, 8))
+
+
+def test_a_multiple_recorded_as_an_equality_guard_is_a_divisibility_fact():
+    """``x.view(T // 4, 4, d)`` records ``16 T == 64 (T // 4)``, not ``T % 4 == 0`` (the ShapeEnv's divisibility set
+    stays empty); every remainder of ``T`` by 4 but 0 breaks it, so ``T`` is a multiple of 4 all the same."""
+    env, tokens = _tokens_with(lambda tokens: 16 * tokens == 64 * (tokens // 4))
+    assert not env.divisible
+    assert canonical(env, 12 * FloorDiv(tokens, FloorDiv(tokens, 4))) == 48
+    assert canonical(env, Mod(tokens + 4, 4)) == 0
+    assert canonical(env, FloorDiv(tokens, 8)) == FloorDiv(tokens, 8)
+
+
+def test_a_floor_division_the_guards_fix_is_its_traced_value():
+    """The guard ``T // (T // 4) == 4`` (a view whose merge unit dynamo matched to the 4 written) proves that
+    division 4 without proving ``T % 4 == 0``: the division becomes 4, ``T % 4`` and ``T // (T // 8)`` are kept."""
+    env, tokens = _tokens_with(lambda tokens: tokens // (tokens // 4) == 4)
+    assert canonical(env, 12 * FloorDiv(tokens, FloorDiv(tokens, 4))) == 48
+    assert canonical(env, Mod(tokens, 4)) == Mod(tokens, 4)
     assert canonical(env, FloorDiv(tokens, FloorDiv(tokens, 8))) == FloorDiv(tokens, FloorDiv(tokens, 8))

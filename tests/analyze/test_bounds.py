@@ -45,6 +45,27 @@ def test_budget_breaking_a_traced_guard_is_refused():
         _bounds(gm, ctx)
 
 
+def test_a_guard_is_checked_as_recorded_not_through_the_facts_it_gives():
+    """The guard ``T // (T // 4) == 4`` is a fact that simplifies sizes (``symbolic.canonical`` proves the floor
+    division is 4 from it), so through ``canonical`` it would read ``True`` at any budget. Checked as recorded,
+    budget 6 (``6 // 1 == 6``) breaks it and is refused; 16 and 20 hold it."""
+    from vgraph_compile.kernels.ops import varlen_attention
+
+    def encoder(x, cu, max_seqlen):
+        torch._check(x.shape[0] // (x.shape[0] // 4) == 4)
+        return varlen_attention(*(x.view(x.shape[0], 1, -1),) * 3, cu, max_seqlen)
+
+    inputs = torch.randn(16, 6), torch.tensor([0, 8, 16], dtype=torch.int32), 8
+    for budgets, refused in (((16, 20), None), ((6, 16), 6)):
+        gm, ctx = trace(encoder, *inputs, config=VGraphConfig(token_budgets=budgets, max_segments=2))
+        discover.run(gm, ctx)
+        if refused is None:
+            assert [bucket.budget for bucket in bounds.bucket_shapes(ctx)] == list(budgets)
+            continue
+        with pytest.raises(bounds.BudgetRefused, match=rf"budget {refused} breaks the traced constraint "):
+            bounds.bucket_shapes(ctx)
+
+
 def test_unrelated_dynamic_dim_is_fixed_at_its_traced_value():
     """A feature width that dynamic=True left symbolic is pinned (==) at its traced value, not bounded by a guess."""
 

@@ -33,11 +33,13 @@ def test_tokens_of_another_dtype_than_the_parameters_are_refused(tiny):
 
 
 def test_a_relation_the_graph_lacks_is_asked_for_by_name():
-    """A window permutation flattened without a reshape back to the token count leaves the rows a product of two
-    sizes: the message names both inputs and gives the torch._check that ties them (ratio of the traced call)."""
+    """A window permutation whose merge unit is inferred (``-1``: ``T // (T // 4)``, which is not 4 at every legal
+    ``T``, e.g. 5 at ``T = 5``), flattened without a reshape back to the token count, leaves the rows a product of
+    two sizes: the message names both inputs and gives the torch._check that ties them (ratio of the traced
+    call)."""
 
     def encoder(x, cu, max_seqlen, window_index):
-        permuted = x.reshape(x.shape[0] // 4, 4, -1)[window_index].flatten(0, 1)
+        permuted = x.reshape(x.shape[0] // 4, -1, x.shape[1])[window_index].flatten(0, 1)
         q = permuted.view(permuted.shape[0], 2, -1)
         return varlen_attention(q, q, q, cu, max_seqlen)
 

@@ -122,10 +122,13 @@ def _group_capacity(ctx: PassContext, budget: int, group: int, windows: set[int]
     return window if group in windows else frames
 
 
-def _guards(ctx: PassContext):
-    """(each guard dynamo recorded, its expression in canonical symbols)."""
+def _equalities(ctx: PassContext):
+    """Each guard dynamo recorded that is an equality, in canonical symbols (with the facts of every guard: sizes
+    the guards equate)."""
     for guard in ctx.shape_env.guards:
-        yield guard, canonical(ctx.shape_env, guard.expr)
+        expr = canonical(ctx.shape_env, guard.expr)
+        if isinstance(expr, sympy.Eq):
+            yield expr
 
 
 def _where(guard) -> str:
@@ -137,9 +140,8 @@ def _where(guard) -> str:
 def _follow_relations(ctx: PassContext, values: dict[sympy.Symbol, int]) -> None:
     """Sizes the graph's relations or the trace's guards pin to assigned ones, until nothing changes."""
     equalities = [(symbol, expr) for symbol, expr in ctx.spec.relations.items()]
-    for _, expr in _guards(ctx):
-        if isinstance(expr, sympy.Eq):
-            equalities += [(expr.lhs, expr.rhs), (expr.rhs, expr.lhs)]
+    for expr in _equalities(ctx):
+        equalities += [(expr.lhs, expr.rhs), (expr.rhs, expr.lhs)]
     changed = True
     while changed:
         changed = False
@@ -220,7 +222,8 @@ def _bucket(ctx: PassContext, budget: int, windows: set[int] | None) -> BucketSh
     hints = traced_values(ctx.shape_env)
     for symbol in fixed - set(values):
         values[symbol] = int(hints[symbol])
-    for guard, expr in _guards(ctx):
+    for guard in ctx.shape_env.guards:
+        expr = sympy.sympify(ctx.shape_env.replace(guard.expr))  # not canonical: its facts come from these guards
         if expr.free_symbols - set(values) - set(ctx.shape_env.replacements):
             continue
         if substitute(expr, values) != sympy.true:

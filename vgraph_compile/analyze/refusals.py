@@ -86,10 +86,12 @@ def check_token_rows(spec: VarlenSpec, hints: dict) -> None:
     sizes; refused in the user's names otherwise."""
     rows = spec.token_rows
     if not rows.free_symbols:
+        fixed = _fixed_dims(spec)
         raise StaticTokensError(
-            f"the trace fixed the attention's packed row count at {rows}: without dynamic=True, or with "
-            "duck sizing (a first call whose token count equals another size) or a first call of one token, "
-            "dynamo specializes it. Use vgraph_compile.encoder, which traces with neither."
+            f"the trace fixed the attention's packed row count at {rows}"
+            f"{' (with ' + ', '.join(fixed) + ')' if fixed else ''}: without dynamic=True, or with duck sizing (a "
+            "first call with a size equal to another one, such as as many merge units as the patch width) or a "
+            "first call of one token, dynamo specializes it. Use vgraph_compile.encoder, which traces with neither."
         )
     poly = None
     try:
@@ -103,7 +105,7 @@ def check_token_rows(spec: VarlenSpec, hints: dict) -> None:
             not coefficient.is_Integer or (any(monomial) and coefficient <= 0) for monomial, coefficient in poly.terms()
         )
     ):
-        pinned = _pinned_dims(spec)
+        pinned = _fixed_dims(spec, (0, 1))
         if pinned:
             raise StaticTokensError(
                 f"the attention's packed row count is {spec.describe_expr(rows)}, not a sum of sizes, because the "
@@ -117,10 +119,11 @@ def check_token_rows(spec: VarlenSpec, hints: dict) -> None:
         )
 
 
-def _pinned_dims(spec: VarlenSpec) -> list[str]:
-    """Leading dims of non-parameter tensor inputs that the trace fixed at 0 or 1."""
+def _fixed_dims(spec: VarlenSpec, sizes: tuple[int, ...] | None = None) -> list[str]:
+    """Leading dims of non-parameter tensor inputs that the trace fixed (at one of ``sizes``; None: at any)."""
     return [
         f"{spec.describe_input(role.index)}.shape[0] == {shape[0]}"
         for role, shape in zip(spec.inputs, spec.input_shapes)
-        if role.role is not Role.PARAMETER and shape and shape[0] in (0, 1)
+        if role.role is not Role.PARAMETER and shape and shape[0].is_Integer
+        and (sizes is None or shape[0] in sizes)
     ]
