@@ -117,7 +117,17 @@ def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_anot
             inputs = pack_images(lengths, 12)
             with counters.expect(replays=replays):
                 torch.testing.assert_close(compiled(*inputs), one_segment_model(*inputs), rtol=1e-5, atol=1e-5)
-    assert runtime.choices[EXACT] == 2
+        assert runtime.choices[EXACT] == 2
+        # On a GPU, where padding costs are measured: only where the exact run's launch hides behind the call's
+        # work (bucket 128: 40 ms of row work, 2 ms of launches; bucket 64 untimed, too small to hide any). 127 rows
+        # leave too little padding to leave the graph for, so only the kernel sends them.
+        runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), exact_host_ms=2.0)
+        runtime._exact_first_choices.clear()
+        for lengths, replays in (([40], 1), ([127], 0), ([3, 124], 1)):
+            inputs = pack_images(lengths, 12)
+            with counters.expect(replays=replays):
+                torch.testing.assert_close(compiled(*inputs), one_segment_model(*inputs), rtol=1e-5, atol=1e-5)
+    assert runtime.choices[EXACT] == 3
 
 
 class _OwnTrace(PackedViT):

@@ -89,16 +89,31 @@ class PaddingCosts:
     empty_ms: tuple[float, ...]
     exact_host_ms: float
 
-    def exact_saves(self, budget: int, rows: int) -> bool:
-        """Whether a call of ``rows`` rows runs faster at its exact sizes than padded to ``budget``: its rows' work
-        outside attention (``rows / budget`` of the empty replay, the least its device time can be) hides the
-        host's launches (``EXACT_HOST_SHARE``), and the padding rows' share of that work is worth it
-        (``EXACT_MIN_SAVING``). A budget that was not timed (too small to hide any launch) never saves."""
+    def _least_ms(self, budget: int, rows: int) -> float | None:
+        """The least device time of a call of ``rows`` rows in the bucket of ``budget``: its rows' share of the
+        empty replay (None where the bucket was not timed, being too small to hide any launch)."""
         if budget not in self.budgets:
+            return None
+        return self.empty_ms[self.budgets.index(budget)] * rows / budget
+
+    def launch_hidden(self, budget: int, rows: int) -> bool:
+        """Whether the compiled code's host launches hide behind the work of a call of ``rows`` rows, run at its
+        exact sizes (``EXACT_HOST_SHARE`` of its least device time)."""
+        least = self._least_ms(budget, rows)
+        return least is not None and self.exact_host_ms <= EXACT_HOST_SHARE * least
+
+    def exact_saves(self, budget: int, rows: int) -> bool:
+        """Whether a call of ``rows`` rows runs faster at its exact sizes than padded to ``budget``: its launches
+        hide (``launch_hidden``) and its padding rows' share of the bucket's work is worth it (``EXACT_MIN_SAVING``).
+        """
+        if not self.launch_hidden(budget, rows):
             return False
-        empty = self.empty_ms[self.budgets.index(budget)]
-        least = empty * rows / budget
-        return self.exact_host_ms <= EXACT_HOST_SHARE * least and empty - least >= EXACT_MIN_SAVING * least
+        least = self._least_ms(budget, rows)
+        return self.empty_ms[self.budgets.index(budget)] - least >= EXACT_MIN_SAVING * least
+
+    def format(self) -> str:
+        empty = ", ".join(f"{budget}: {ms:.3f}" for budget, ms in zip(self.budgets, self.empty_ms))
+        return f"exact-size launch {self.exact_host_ms:.3f} ms on the host; replays with no segment (ms) {empty}"
 
 
 def measure_padding_costs(

@@ -410,16 +410,20 @@ class VGraphRuntime:
         return sizes
 
     def _exact_first(self, bucket: Bucket, plan: CallPlan) -> bool:
-        """Whether the call runs the compiled code at its exact sizes rather than any bucket: for a one-segment
-        kernel (``_one_segment_kernel``), or because its padding rows cost more than the exact run's host launch
-        can lose (``PaddingCosts.exact_saves``), where the code may run at its sizes."""
+        """Whether the call runs the compiled code at its exact sizes rather than any bucket, where the code may run
+        at its sizes: because its padding rows cost more than the exact run's host launch can lose
+        (``PaddingCosts.exact_saves``), or for a one-segment kernel (``_one_segment_kernel``) where the launch hides
+        behind the call's work (``PaddingCosts.launch_hidden``; the kernel's own timing cannot tell)."""
         known = self._exact_first_choices.get(plan.key, _UNKNOWN)
         if known is not _UNKNOWN:
             return known
-        padding = self.padding
-        chosen = (
-            padding is not None and padding.exact_saves(bucket.shape.budget, plan.tokens)
-        ) or self._one_segment_kernel(bucket, plan)
+        padding, budget = self.padding, bucket.shape.budget
+        if padding is None:  # no graphs to leave (the CPU), or not measured yet: only for a one-segment kernel
+            chosen = self._one_segment_kernel(bucket, plan)
+        else:
+            chosen = padding.exact_saves(budget, plan.tokens) or (
+                padding.launch_hidden(budget, plan.tokens) and self._one_segment_kernel(bucket, plan)
+            )
         chosen = chosen and self._exact_allowed(bucket, plan)
         if len(self._exact_first_choices) >= _CHOICE_CACHE_SIZE:
             self._exact_first_choices.clear()
@@ -626,6 +630,8 @@ class VGraphRuntime:
         if self.choices:
             choices = ", ".join(f"{choice} x{self.choices[choice]}" for choice in CHOICES)
             lines.append(f"per-call choice ({self.call_choice}): {choices}")
+        if self.padding is not None:
+            lines.append("padding costs: " + self.padding.format())
         if self.costs is not None:
             lines.append("measured costs (ms):\n" + self.costs.format())
         for budget, samples in sorted(self.stock_ms.items()):
