@@ -38,6 +38,7 @@ def test_defaults():
             r"call_choice='fastest' is unknown: use one of \['measured', 'smallest_bucket', 'exact_size', 'stock'\]",
         ),
         (dict(window_offsets="cu_windows"), r"window_offsets='cu_windows' is a string: .* \('cu_windows',\)"),
+        (dict(token_budgets=[1, 2], static_rows=True), r"static_rows serves one row count: give token_budgets="),
     ],
 )
 def test_invalid_values_name_the_field_and_the_fix(fields, message):

@@ -94,7 +94,8 @@ def _proven_constants(shape_env, expr: "sympy.Expr") -> dict:
 
 def traced_values(shape_env) -> dict:
     """The value each backed symbol had in the traced call (``backed_var_to_val``; ``var_to_val`` before it)."""
-    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    values = getattr(shape_env, "backed_var_to_val", None)
+    return shape_env.var_to_val if values is None else values
 
 
 def substitute(expr: "sympy.Expr", values: Mapping["sympy.Symbol", int]) -> "sympy.Expr":

@@ -128,3 +128,30 @@ def test_a_tower_that_mixes_tiles_is_refused_naming_the_op(module, named):
 def test_batch_norm_with_running_statistics_keeps_tiles_apart():
     _, ctx = _run(TrainingBatchNorm().eval())
     assert ctx.spec.format().startswith("tokens: pixel_values.shape[0]\ninput pixel_values: tokens dims=[0]")
+
+
+def _static(module, tiles, budget):
+    pixel_values = torch.randn(tiles, 3, 8, 8)
+    torch._dynamo.mark_static(pixel_values, 0)
+    config = VGraphConfig(token_budgets=(budget,), static_rows=True)
+    gm, ctx = trace(module, pixel_values, config=config)
+    tile_rows.run(gm, ctx)
+    return ctx
+
+
+def test_a_static_trace_of_one_tile_has_that_count_as_its_token_rows():
+    """``static_rows``: the one-tile trace is static, pixel_values an input copied as is, both outputs one row."""
+    ctx = _static(PerTile(), tiles=1, budget=1)
+    assert_expected_inline(
+        ctx.spec.format(),
+        """\
+tokens: 1
+input pixel_values: static
+inputs: 6 parameters and module state (used in place)""",
+    )
+    assert [shape[0] for shape in ctx.spec.outputs] == [1, 1]
+
+
+def test_a_static_trace_of_another_count_than_its_budget_is_refused():
+    with pytest.raises(ValueError, match=r"no input of the static trace has 1 rows in dim 0 \(its inputs have \[2\]\)"):
+        _static(PerTile(), tiles=2, budget=1)

@@ -3,6 +3,7 @@
 import importlib
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -339,35 +340,63 @@ def test_vlm_logits_and_greedy_tokens_with_the_tile_tower(family):
     assert tower.stock_calls == 0 and sum(runtime.hits for runtime in tower.runtimes) >= 2
 
 
-def test_a_tile_count_the_trace_excludes_is_counted_and_listed_with_its_guard_and_op():
-    """SigLIP with its MAP head: nn.MultiheadAttention runs its key projection on a transposed [L, N, E] view, and
-    linear's contiguity check guards N != 1, so one tile pads to the bucket of 2. That is counted, logged and
-    listed by stats_table with the guard and the op, never silent; the call stays eager-equal."""
-    config = transformers.SiglipVisionConfig(**TINY)
-    tower = transformers.SiglipVisionModel(config).eval()
+@pytest.fixture(scope="module")
+def map_head():
+    """SigLIP with its MAP head (``nn.MultiheadAttention`` pooling), buckets 1, 2, 3, first called with one tile.
+    The head's key projection is a linear of a transposed ``[L, N, E]`` view, whose contiguity check guards
+    N != 1 in the trace dynamic in N: that trace drops the bucket of one tile, so the first call also traces one
+    tile statically. Counted: two traces; buckets 2 and 3, then 1; one replay for each trace's call."""
+    tower = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(vision_use_head=True, **TINY)).eval()
     compiled = compile_tile_tower(tower, max_items=3, exact_items=3, compiler="eager")
-    with torch.no_grad(), counters.expect(buckets_dropped=1, replays=2, traces=1, buckets_built=2):
-        compiled(_pixels(2))
-        pixels = _pixels(1, seed=1)
+    pixels = _pixels(1, seed=1)
+    with torch.no_grad(), counters.expect(traces=2, buckets_dropped=1, buckets_built=3, replays=2):
         _assert_outputs_equal(compiled(pixels), tower(pixels))
-    (runtime,) = compiled.runtimes
-    assert [bucket.shape.budget for bucket in runtime.buckets] == [2, 3]
+    return tower, compiled
+
+
+def _hits(compiled) -> dict[int, int]:
+    """Bucket budget -> calls it served, over every runtime of a tile tower (each budget is in one of them)."""
+    return {bucket.shape.budget: bucket.stats.hits for runtime in compiled.runtimes for bucket in runtime.buckets}
+
+
+def test_one_tile_is_served_by_a_bucket_of_one_where_the_dynamic_trace_excludes_it(map_head):
+    """N = 1, 2, 3 and 7 (3 + 3 + 1) match the stock tower; one tile, alone or as the last chunk of a split call,
+    replays the one-tile graph, never the bucket of 2. The dropped bucket is listed with its guard and op."""
+    tower, compiled = map_head
+    dynamic, one_tile = compiled.runtimes
+    assert [bucket.shape.budget for bucket in dynamic.buckets] == [2, 3]
+    assert [bucket.shape.budget for bucket in one_tile.buckets] == [1]
+    before = _hits(compiled)
+    with torch.no_grad(), counters.expect(replays=6):  # N = 1, 2, 3: one each; N = 7: three
+        for tiles in (1, 2, 3, 7):
+            pixels = _pixels(tiles, seed=tiles)
+            _assert_outputs_equal(compiled(pixels), tower(pixels))
+    after = _hits(compiled)
+    assert {budget: after[budget] - before[budget] for budget in after} == {1: 2, 2: 1, 3: 3}
     table = compiled.stats_table()
     assert "budget 1 dropped: the trace's guard Ne(N, 1) on the tile count N fails there" in table
-    assert "multi_head_attention_forward" in table and "its calls pad to the next bucket" in table
+    assert "multi_head_attention_forward" in table and "one tile: its own static graph" in table
 
 
-def test_exact_size_runs_where_the_guards_hold_and_pads_where_they_do_not():
-    """call_choice="exact_size" on SigLIP with its MAP head: N = 3 and 5 run the compiled code at their own sizes;
-    N = 1 breaks the trace's guard N != 1, so it replays the bucket of 2. All equal the stock tower."""
-    tower = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY)).eval()
-    compiled = compile_tile_tower(tower, max_items=6, exact_items=2, compiler="eager", call_choice="exact_size")
-    with torch.no_grad():
-        compiled(_pixels(2))  # the trace
-        with counters.expect(replays=1):
-            for tiles in (3, 1, 5):
+def test_exact_size_runs_where_the_guards_hold_and_pads_where_they_do_not(map_head):
+    """call_choice="exact_size": N = 2 and 3 run the dynamic compiled code at their own sizes, one tile the
+    one-tile graph's. The dynamic trace alone, called with one tile, breaks its guard N != 1 and pads to the bucket
+    of 2. All equal the stock tower."""
+    tower, compiled = map_head
+    dynamic, one_tile = compiled.runtimes
+    (traced,) = compiled.compiled.values()
+    before = dynamic.choices.copy(), one_tile.choices.copy()
+    try:
+        dynamic.call_choice = one_tile.call_choice = "exact_size"
+        with torch.no_grad(), counters.expect(replays=1):  # the padded call
+            for tiles in (3, 1, 2):
                 pixels = _pixels(tiles, seed=tiles)
                 _assert_outputs_equal(compiled(pixels), tower(pixels))
-    (runtime,) = compiled.runtimes
-    assert runtime.choices["compiled code at the exact size"] == 3  # the trace's call, N = 3 and N = 5
-    assert runtime.choices["padded to the smallest bucket"] == 1
+            pixels = _pixels(1, seed=9)
+            (hidden, pooled) = traced.dynamic(pixels)
+            want = tower(pixels)
+            _assert_outputs_equal(SimpleNamespace(last_hidden_state=hidden, pooler_output=pooled), want)
+    finally:
+        dynamic.call_choice = one_tile.call_choice = "smallest_bucket"
+    assert dynamic.choices - before[0] == {"compiled code at the exact size": 2, "padded to the smallest bucket": 1}
+    assert one_tile.choices - before[1] == {"compiled code at the exact size": 1}

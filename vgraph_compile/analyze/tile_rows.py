@@ -22,6 +22,8 @@ A tiled input reaching an op with no rule, or a rule's use that mixes rows (batc
 tiles, a sum over dim 0, an index into the tile dim), is refused with a ValueError naming the node. Every output
 must have its rows in dim 0. The spec (``ctx.spec``) has no varlen sites: its token rows are N, so
 ``bounds`` makes one bucket per budget of tiles, and the inputs with N in dim 0 are TOKENS (padded with zeros).
+A static trace (``VGraphConfig.static_rows``: a fixed-tile tower's one-tile graph, ``hf/tiles``) has its one
+budget as its token rows and serves calls of exactly that many tiles: nothing is padded, so it needs no proof.
 """
 
 from __future__ import annotations
@@ -592,10 +594,12 @@ def _untiled(node: torch.fx.Node) -> RowDim:
 
 
 def _reachable_budgets(ctx: PassContext, tiles: sympy.Expr, simplify) -> "VGraphConfig":
-    """The config without the tile counts the trace's guards on N alone exclude (a linear of a transposed
-    ``[L, N, E]`` view in ``F.multi_head_attention_forward`` guards ``N != 1``, for one): a call of such a count
-    pads to the next bucket. Each excluded count is recorded in ``ctx.dropped`` with the guard and its op, and
-    counted."""
+    """The config without the tile counts the trace's guards on N alone exclude: a call of such a count pads to
+    the next bucket (``hf/tiles`` gives one tile a static graph of its own instead). Each excluded count is
+    recorded in ``ctx.dropped`` with the guard and its op, and counted. The one known case: SigLIP's MAP head calls
+    ``F.multi_head_attention_forward``, whose key projection is a linear of a transposed ``[L, N, E]`` view;
+    ``at::native::linear`` asks whether that view is contiguous, and with every size hinted c10's contiguity
+    check compares each size with 1 through a guard (not size-obliviously), so the trace guards ``N != 1``."""
     guards = [(simplify(guard.expr), guard) for guard in ctx.shape_env.guards]
     guards = [(expr, guard) for expr, guard in guards if expr.free_symbols == tiles.free_symbols]
     kept = []
@@ -609,7 +613,7 @@ def _reachable_budgets(ctx: PassContext, tiles: sympy.Expr, simplify) -> "VGraph
             f"{guard_origin(guard)})"
             for expr, guard in failed
         )
-        ctx.dropped.append(DroppedBucket(budget, reason + "; its calls pad to the next bucket"))
+        ctx.dropped.append(DroppedBucket(budget, reason))
         counters.buckets_dropped += 1
         log.warning("tile count %d dropped: %s", budget, reason)
     if not kept:
@@ -621,10 +625,33 @@ def _reachable_budgets(ctx: PassContext, tiles: sympy.Expr, simplify) -> "VGraph
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     check_no_host_sync(gm)
-    shape_env = ctx.shape_env
-    simplify = simplifier(shape_env)
-
+    simplify = simplifier(ctx.shape_env)
     inputs = graph_inputs(gm, ctx)
+    if ctx.config.static_rows:
+        tiles = _static_tiles(gm, ctx, inputs, simplify)
+    else:
+        tiles = _dynamic_tiles(gm, ctx, inputs, simplify)
+    features = feature_sizes(inputs, simplify, ctx.shape_env)
+    sizes = input_sizes(inputs, simplify)
+    roles = other_roles(inputs, {}, simplify)
+    ctx.spec = VarlenSpec(
+        inputs=tuple(roles[index] for index in range(len(inputs.nodes))),
+        sites=(),
+        groups=(),
+        token_rows=tiles,
+        bindings=sizes.bindings,
+        input_shapes=sizes.shapes,
+        outputs=output_shapes(gm, simplify),
+        features=features,
+        relations={},
+    )
+    log.debug("tile spec:\n%s", ctx.spec.format())
+    return gm
+
+
+def _dynamic_tiles(gm: torch.fx.GraphModule, ctx: PassContext, inputs, simplify) -> sympy.Expr:
+    """The tile count N of a trace dynamic in it, once the rows are proven independent; ``ctx.config`` loses the
+    counts the trace's guards exclude."""
     tiles, tiled = None, {}
     for index, node in enumerate(inputs.nodes):
         value = example_value(node)
@@ -647,31 +674,49 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             "does) so the tile count N is symbolic"
         )
     found = row_dims(gm, tiled, simplify, tiles)
+    for position, arg, value in _tensor_outputs(gm):
+        if found.get(arg) not in (0, None) or sympy.simplify(simplify(value.shape[0]) - tiles) != 0:
+            raise TileMixingError(
+                f"output {position} ({arg.format_node()}, shape {tuple(value.shape)}) does not have "
+                f"the tiles ({tiles}) in dim 0 (its tile dim: {found.get(arg)}): vgraph narrows outputs to the "
+                "real tiles along dim 0"
+            )
+    ctx.config = _reachable_budgets(ctx, tiles, simplify)
+    log.info("proved the rows of %s tiled inputs independent", len(tiled))
+    return tiles
+
+
+def _static_tiles(gm: torch.fx.GraphModule, ctx: PassContext, inputs, simplify) -> sympy.Expr:
+    """The tile count of a static trace (``VGraphConfig.static_rows``): its one budget, which the per-tile inputs
+    have in dim 0 (at least one) and every tensor output too. Its calls have exactly that many tiles, so no padding
+    row exists and no proof of independent rows is needed here (the dynamic trace of the same tower gave it, for
+    the split of a long call)."""
+    (budget,) = ctx.config.budgets
+    rows = [
+        simplify(example_value(node).shape[0])
+        for index, node in enumerate(inputs.nodes)
+        if index not in inputs.parameters
+        and isinstance(example_value(node), torch.Tensor)
+        and example_value(node).dim() > 0
+    ]
+    if budget not in rows:
+        raise ValueError(
+            f"no input of the static trace has {budget} rows in dim 0 (its inputs have {rows}): trace it on a call "
+            "of exactly token_budgets[0] tiles, with dim 0 static"
+        )
+    for position, arg, value in _tensor_outputs(gm):
+        if simplify(value.shape[0]) != budget:
+            raise TileMixingError(
+                f"output {position} ({arg.format_node()}, shape {tuple(value.shape)}) does not have the {budget} "
+                "tiles in dim 0: vgraph narrows outputs to the real tiles along dim 0"
+            )
+    return sympy.Integer(budget)
+
+
+def _tensor_outputs(gm: torch.fx.GraphModule):
+    """(position, node, example value) of each tensor output."""
     (output,) = gm.graph.find_nodes(op="output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     for position, arg in enumerate(values):
         if isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
-            if found.get(arg) not in (0, None) or sympy.simplify(simplify(example_value(arg).shape[0]) - tiles) != 0:
-                raise TileMixingError(
-                    f"output {position} ({arg.format_node()}, shape {tuple(example_value(arg).shape)}) does not have "
-                    f"the tiles ({tiles}) in dim 0 (its tile dim: {found.get(arg)}): vgraph narrows outputs to the "
-                    "real tiles along dim 0"
-                )
-    ctx.config = _reachable_budgets(ctx, tiles, simplify)
-    features = feature_sizes(inputs, simplify, shape_env)
-    sizes = input_sizes(inputs, simplify)
-    roles = other_roles(inputs, {}, simplify)
-    ctx.spec = VarlenSpec(
-        inputs=tuple(roles[index] for index in range(len(inputs.nodes))),
-        sites=(),
-        groups=(),
-        token_rows=tiles,
-        bindings=sizes.bindings,
-        input_shapes=sizes.shapes,
-        outputs=output_shapes(gm, simplify),
-        features=features,
-        relations={},
-    )
-    log.info("proved the rows of %s tiled inputs independent", len(tiled))
-    log.debug("tile spec:\n%s", ctx.spec.format())
-    return gm
+            yield position, arg, example_value(arg)

@@ -133,7 +133,7 @@ class VGraphBackend:
         return gm.forward
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        if not _is_dynamic(example_inputs):
+        if not _is_dynamic(example_inputs) and not self.config.static_rows:
             return self._static_trace(
                 gm,
                 "vgraph got a trace with static shapes. Pass dynamic=True to torch.compile (or use "
@@ -162,7 +162,8 @@ class VGraphBackend:
             if key is not None:
                 warm_start.save_graph(self.config, key, built.spec, built.record)
         counters.traces += 1
-        self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
+        if not self.config.static_rows:  # a static trace is made on purpose, beside its encoder's dynamic one
+            self._warn_retrace(example_inputs, _trace_signature(gm, example_inputs))
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
         fixed = [
             None if source is not None and argument_rooted(source) else value

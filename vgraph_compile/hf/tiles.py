@@ -16,10 +16,28 @@ Design, and why:
 - **Masks:** a call whose ``patch_attention_mask`` is all True is served as the call without one; in that trace
   the tower's own all-True mask is dropped from its attention (``rewrite/drop_true_masks``), so SDPA runs its
   unmasked kernel, as the stock tower does in eager.
-- **The trace** never sees one tile: dynamo specializes a size of 1, so a first call of one tile is traced as two
-  copies of it. A bucket whose size breaks a guard of the trace or of inductor (``F.multi_head_attention_forward``
-  and inductor's CPU convolution guard N != 1) is dropped, and its calls pad to the next bucket. SDPA's cuDNN
-  mask check, which would guard N != 1 too, is kept out of the trace (``entry/backend``).
+- **The trace** never sees one tile: its size checks (is N 1?) would become guards that hold at N = 1 alone, so
+  a first call of one tile is traced as two copies of it. A bucket whose size breaks a guard of the trace or of
+  inductor is dropped, and its calls pad to the next bucket. SDPA's cuDNN mask check, which would guard N != 1,
+  is kept out of the trace (``entry/backend``).
+- **One tile, the commonest call, gets a graph of its own** when the dynamic build drops the bucket of one: the
+  first call then also traces one tile statically (``VGraphConfig.static_rows``: one compile, one bucket, no
+  padding) and every later one-tile call (or last chunk of a split call) runs there, not in the bucket of two
+  (twice the work). Two guards do that, neither of which changes what the graph computes: SigLIP's MAP head
+  (So400m; ``SiglipVisionModel`` with ``vision_use_head``) calls ``F.multi_head_attention_forward``, whose key
+  projection is a linear of a transposed ``[L, N, E]`` view (``nn/functional.py``, ``_in_projection_packed``:
+  ``kv_proj = linear(k, w_kv, b_kv)``); ``at::native::linear`` asks ``is_contiguous_or_false``, but with every
+  size hinted c10's ``SymbolicShapeMeta::compute_contiguous`` compares each size with 1 through a guard, so the
+  trace guards ``N != 1`` although ``backed_size_oblivious`` is on (``entry/trace_options``). On the CPU,
+  inductor's convolution (``_subclasses/fake_impls.py``, ``conv``, choosing a memory format by backend) guards
+  ``N >= 2`` for every tower. Treating such a guard as harmless would not be sound in general (a forward that
+  branches on ``pixel_values.shape[0] == 1`` records the same guard, and its graph holds the other branch only),
+  and marking N unbacked leaves the trace without the values the bounds and buffers are read from; a static
+  trace of one tile is right by construction. Its cost: on an H200 (So400m 384 px with its MAP head, bf16, torch
+  2.11, buckets 1-4), 11.4 s beside the dynamic trace's 28.4 s cold and 0.29 s beside 3.2 s from a warm cache
+  (the saved plan and artifact load), for one tile in 3.38 ms instead of 4.55 ms in the bucket of two (stock
+  tower: 12.0 ms); on the CPU, for the benchmarks' toy So400m (``bench/tile_towers``; two shared cores, two
+  runs), 7 and 16 s beside 20 and 35 s cold, 0.04 and 0.35 s beside 2.2 and 4.4 s warm.
 - **Not measured against the packed path:** equal-length varlen segments would need each family's attention and
   masks rewritten into varlen calls; the batch-dim mode keeps the tower's own attention (sdpa with a batch dim),
   so no family-specific code exists anywhere.
@@ -30,10 +48,12 @@ Design, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -181,6 +201,27 @@ def _hidden_key(value: Any) -> Any:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
+@dataclass
+class _Traced:
+    """The compiled forwards of one argument structure (patch mask or not, hidden-state selection)."""
+
+    dynamic: CompiledEncoderFunction
+    """The trace dynamic in the tile count N, with one graph per bucket."""
+    fields: _OutputFields
+    one_tile: CompiledEncoderFunction | None = None
+    """A static trace of one tile (one compile, one graph), made beside ``dynamic`` when ``dynamic``'s build
+    cannot run one tile; None: ``dynamic`` serves one tile in its own bucket."""
+    one_tile_reason: str = ""
+    """Why ``dynamic`` cannot run one tile: its dropped budget's reason."""
+    checked: bool = False
+    """Whether the first call has traced ``dynamic`` and made ``one_tile`` where it is needed."""
+    first_call: threading.Lock = field(default_factory=threading.Lock)
+
+    def runtimes(self) -> list:
+        functions = (self.dynamic,) if self.one_tile is None else (self.dynamic, self.one_tile)
+        return [runtime for function in functions for runtime in function.vgraph.runtimes]
+
+
 class CompiledTileTower(TowerStandIn):
     """A fixed-tile tower served by vgraph: called like the tower, returns the tower's own output object.
 
@@ -197,19 +238,30 @@ class CompiledTileTower(TowerStandIn):
         """Calls past ``max_items``, served by several graph calls."""
         self.stock_calls = 0
         self.__dict__["compiled"] = {}
+        """Argument structure -> its ``_Traced``."""
 
     def _reset(self) -> None:
         self.compiled.clear()
 
     @property
     def runtimes(self):
-        """The vgraph runtimes behind this tower, one per traced argument structure."""
-        return [runtime for compiled, _ in self.compiled.values() for runtime in compiled.vgraph.runtimes]
+        """The vgraph runtimes behind this tower: per traced argument structure, the dynamic trace's, then the
+        one-tile graph's where there is one."""
+        return [runtime for traced in self.compiled.values() for runtime in traced.runtimes()]
 
     def stats_table(self) -> str:
-        return "\n".join(["tier: whole-tower graph (fixed tiles)", *(runtime.stats_table() for runtime in self.runtimes)])
+        lines = ["tier: whole-tower graph (fixed tiles)"]
+        for traced in self.compiled.values():
+            lines.extend(runtime.stats_table() for runtime in traced.dynamic.vgraph.runtimes)
+            if traced.one_tile is not None:
+                lines.append(
+                    "one tile: its own static graph (the trace dynamic in N cannot run one tile: "
+                    f"{traced.one_tile_reason})"
+                )
+                lines.extend(runtime.stats_table() for runtime in traced.one_tile.vgraph.runtimes)
+        return "\n".join(lines)
 
-    def _entry(self, key: tuple, pixel_values: torch.Tensor, mask: torch.Tensor | None):
+    def _entry(self, key: tuple, pixel_values: torch.Tensor, mask: torch.Tensor | None) -> _Traced:
         """The compiled forward and output layout for one argument structure, made on its first call."""
         entry = self.compiled.get(key)
         if entry is None:
@@ -219,8 +271,34 @@ class CompiledTileTower(TowerStandIn):
                 first_mask = None if mask is None else mask[:1]
                 sample = call.tower(pixel_values[:1], return_dict=True, **_extra(first_mask, key[1]))
             compiled = CompiledEncoderFunction(call, self.vgraph_config, analyses=TILE_ANALYSES)
-            entry = self.compiled[key] = (compiled, _OutputFields.of(sample))
+            entry = self.compiled[key] = _Traced(compiled, _OutputFields.of(sample))
         return entry
+
+    def _call(self, traced: _Traced, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """One chunk of at most ``max_items`` tiles. The first call traces the dynamic forward, then the one-tile
+        graph where the dynamic build dropped the bucket of one tile; one tile runs there from then on."""
+        if not traced.checked:
+            with traced.first_call:
+                if not traced.checked:
+                    return self._first_call(traced, args)
+        if traced.one_tile is not None and args[0].shape[0] == 1:
+            return traced.one_tile(*args)
+        return traced.dynamic(*args) if traced.dynamic.traced else _trace(traced.dynamic, args)
+
+    def _first_call(self, traced: _Traced, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        outputs = traced.dynamic(*args) if traced.dynamic.traced else _trace(traced.dynamic, args)
+        reason = _one_tile_dropped(traced.dynamic)
+        if reason is not None:
+            traced.one_tile_reason = reason
+            traced.one_tile = CompiledEncoderFunction(
+                _TileCall(self.tower, traced.dynamic.target.hidden_states),
+                dataclasses.replace(self.vgraph_config, token_budgets=(1,), static_rows=True),
+                analyses=TILE_ANALYSES,
+            )
+            one = _trace_static(traced.one_tile, tuple(arg[:1] for arg in args))
+            outputs = one if args[0].shape[0] == 1 else outputs
+        traced.checked = True
+        return outputs
 
     def forward(
         self,
@@ -245,18 +323,18 @@ class CompiledTileTower(TowerStandIn):
         if output_hidden_states is None:
             output_hidden_states = getattr(self.tower.config, "output_hidden_states", None)
         key = (patch_attention_mask is not None, _hidden_key(output_hidden_states))
-        compiled, fields = self._entry(key, pixel_values, patch_attention_mask)
+        traced = self._entry(key, pixel_values, patch_attention_mask)
         chunks = []
         for start in range(0, pixel_values.shape[0], self.max_items):
             rows = slice(start, start + self.max_items)
             args = (pixel_values[rows],)
             if patch_attention_mask is not None:
                 args += (patch_attention_mask[rows],)
-            chunks.append(compiled(*args) if compiled.traced else _trace(compiled, args))
+            chunks.append(self._call(traced, args))
         if len(chunks) > 1:
             self.split_calls += 1
         flat = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*chunks)]
-        output = fields.build(flat)
+        output = traced.fields.build(flat)
         return output if return_dict is not False else output.to_tuple()
 
     def _masks_nothing(self, mask: torch.Tensor) -> bool:
@@ -288,15 +366,36 @@ class CompiledTileTower(TowerStandIn):
 
 
 def _trace(compiled: CompiledEncoderFunction, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """The first call, which traces. One tile is traced as two copies of it, its outputs cut back to one row:
-    dynamo specializes a size of 1 (``F.multi_head_attention_forward`` then drops the batch dim), and the trace
-    must serve every N."""
+    """The first call of the trace dynamic in N. One tile is traced as two copies of it, its outputs cut back to one
+    row: a trace of one tile answers its size checks (is N 1?) with guards that hold at N = 1 alone, and this
+    trace must serve every N."""
     single = args[0].shape[0] == 1
     if single:
         args = tuple(torch.cat([arg, arg]) for arg in args)
     with torch._dynamo.config.patch(recompile_limit=_TRACE_RECOMPILE_LIMIT):
         outputs = compiled(*args)
     return tuple(output[:1] for output in outputs) if single else outputs
+
+
+def _trace_static(compiled: CompiledEncoderFunction, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The first call of a static trace (``VGraphConfig.static_rows``): dim 0 of every argument marked static, so
+    dynamo traces that tile count and no other (the caller passes views, so its own tensors stay unmarked)."""
+    for arg in args:
+        torch._dynamo.mark_static(arg, 0)
+    with torch._dynamo.config.patch(recompile_limit=_TRACE_RECOMPILE_LIMIT):
+        return compiled(*args)
+
+
+def _one_tile_dropped(compiled: CompiledEncoderFunction) -> str | None:
+    """Why the build of the trace dynamic in N dropped the bucket of one tile (a guard of the trace or of
+    inductor's compile that fails at N = 1), or None when it serves one tile."""
+    if 1 not in compiled.vgraph.config.budgets or not compiled.vgraph.runtimes:
+        return None
+    runtime = compiled.vgraph.runtimes[-1]
+    if any(bucket.shape.budget == 1 for bucket in runtime.buckets):
+        return None
+    reasons = [dropped.reason for dropped in runtime.encoder.dropped if dropped.budget == 1]
+    return "; ".join(reasons) or "no bucket of one tile"
 
 
 def _extra(mask: torch.Tensor | None, hidden: Any) -> dict:
