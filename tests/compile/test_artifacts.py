@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import sympy
 import torch
 
 import vgraph_compile
@@ -127,3 +128,23 @@ def test_a_loaded_artifact_keeps_its_size_guards(tmp_path):
         _serve(tmp_path, seed=0, call_choice="exact_size")
     (runtime,) = [runtime for runtime in vgraph_compile.runtimes() if runtime.call_choice == "exact_size"][-1:]
     assert runtime.encoder.record.size_guards is not None and runtime.choices[exact] == len(CALLS)
+
+
+def test_a_saved_guard_that_reads_true_or_false_loads_as_a_sympy_boolean(tmp_path):
+    """A size guard the ShapeEnv's replacements decided is saved as ``True`` or ``False``, which ``sympify`` parses
+    to Python's bools; a later trace that loads the artifact (its build plans gone) reads them as sympy's (a Python
+    bool has no ``xreplace``: that trace raised ``AttributeError``). ``False`` is kept: no size satisfies it, so
+    no call runs the compiled code at its exact sizes."""
+    _serve(tmp_path, seed=0)
+    (binary,) = _artifacts(tmp_path)
+    record = Path(f"{binary}.json")
+    meta = json.loads(record.read_text())
+    meta["guards"] = [*meta["guards"], "True", "False"]
+    record.write_text(json.dumps(meta))
+    for plan in tmp_path.glob("*.plan*"):
+        plan.unlink()
+    with counters.expect(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replays=3, plans_saved=2,
+                         artifacts_loaded=1):  # fmt: skip
+        _serve(tmp_path, seed=0)
+    guards = vgraph_compile.runtimes()[-1].encoder.record.size_guards
+    assert guards[-2:] == (sympy.true, sympy.false)

@@ -1,5 +1,9 @@
-"""Compile once: one inductor compile serves every bucket; a guard inductor adds is checked at each bucket's sizes."""
+"""Compile once: one inductor compile serves every bucket; a guard inductor adds is checked at each bucket's sizes,
+and a compile that leaves no bucket is refused in the user's names."""
 
+import re
+
+import pytest
 import sympy
 import torch
 from torch._dynamo.source import ConstantSource
@@ -7,9 +11,12 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import vgraph_compile
 from vgraph_compile.counters import counters
-from vgraph_compile.compile.inductor import _added_constraints, _holds
-from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
-from vgraph_compile.spec import BucketShape
+from vgraph_compile.analyze.bounds import BudgetRefused
+from vgraph_compile.compile.inductor import _added_constraints, _holds, size_guards
+from vgraph_compile.config import VGraphConfig
+from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs
+from vgraph_compile.sample_models.packed_vit import PackedViT, WindowedViT, pack_images
+from vgraph_compile.spec import BucketShape, PassContext
 
 
 def test_a_guard_is_checked_at_each_bucket_size():
@@ -76,3 +83,37 @@ def test_another_instance_starts_from_inductors_cache():
         compile_and_check(seed=2)
     hits = dynamo_counters["inductor"]["fxgraph_cache_hit"] + dynamo_counters["aot_autograd"]["autograd_cache_hit"]
     assert hits >= 1 and dynamo_counters["inductor"]["fxgraph_cache_miss"] == 0
+
+
+def test_size_guards_leave_out_a_guard_the_replacements_make_true():
+    """``a != b + 1`` and ``a == b``, recorded as ``a == b`` made ``a`` and ``b`` one size, read ``True`` once ``b``
+    is replaced by ``a``: they constrain nothing and are left out (saved, each was the text ``True``); ``a >= 3``
+    is kept."""
+    shape_env = ShapeEnv(duck_shape=False)
+    first, second = (shape_env.create_symbol(8, ConstantSource(name)) for name in ("a.shape[0]", "b.shape[0]"))
+    a, b = (shape_env.create_symintnode(symbol, hint=8) for symbol in (first, second))
+    assert bool(a != b + 1) and bool(a >= 3) and bool(a == b)
+    assert shape_env.replace(second) == first and len(shape_env.guards) == 3
+    ctx = PassContext([], shape_env, VGraphConfig(token_budgets=(16,)), torch.device("cpu"))
+    ctx.buckets = (BucketShape(16, {first: 16}, (1,), (16,)),)
+    assert size_guards(ctx) == (sympy.Ge(first, 3),)
+
+
+def test_a_compile_that_leaves_no_bucket_is_refused_naming_the_guards():
+    """A first call of one merge unit (Qwen2.5-VL's window permutation over a ``window_index`` of length 1):
+    inductor lowers the permutation's reshape for that length only (``Eq(1, window_index.shape[0])``), which no
+    bucket (16 and 64 merge units) holds. Every budget is dropped, and the call that traced raises a
+    ``BudgetRefused`` naming each budget, the guard in the user's names and what to do (it was ``max() arg is an
+    empty sequence`` while allocating the buffers)."""
+    torch.manual_seed(0)
+    model = WindowedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8, full_attention_blocks=()).eval()
+    encoder = vgraph_compile.encoder(model, token_budgets=(64, 256), geometry=QWEN25_GEOMETRY, max_items=3,
+                                     window_offsets=("cu_window_seqlens",))  # fmt: skip
+    with torch.no_grad(), pytest.raises(BudgetRefused) as refused:
+        encoder(*windowed_inputs(QWEN25_GEOMETRY, [(1, 2, 2)], 12))
+    message = str(refused.value)
+    assert message.startswith("every token budget [64, 256] was dropped, so no bucket serves this encoder: ")
+    for budget in (64, 256):
+        guard = r"Eq\((1, window_index\.shape\[0\]|window_index\.shape\[0\], 1)\)"  # sympy orders the two sides
+        assert re.search(rf"budget {budget}: the compiled code assumes {guard} \(from ", message), message
+    assert "trace on a call with more than one of it (items, merge units, windows)" in message

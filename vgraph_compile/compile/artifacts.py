@@ -226,13 +226,20 @@ _SIZE_FUNCTIONS = {name: getattr(sympy_functions, name) for name in sympy_functi
 """torch's sympy functions by name, as size guards print them (``PythonMod``...)."""
 
 
+def _parsed_guard(text: str) -> sympy.Basic:
+    """A saved size guard as an expression: torch's size functions by name, and ``True``/``False`` (a guard the
+    ShapeEnv's replacements decided) as sympy's booleans (``sympify`` parses them to Python's, which have none of
+    an expression's methods)."""
+    return sympy.sympify(sympy.sympify(text, locals=_SIZE_FUNCTIONS))
+
+
 def load(directory: Path, key: str) -> Artifact | None:
     """The artifact saved under ``key``, or None (absent, or stale or corrupt: then logged and removed)."""
 
     def parse(binary: Path, meta: dict) -> Artifact:
         compiled = torch._inductor.CompiledArtifact.load(path=str(binary), format="binary")
         texts = meta.get("guards")
-        guards = None if texts is None else tuple(sympy.sympify(text, locals=_SIZE_FUNCTIONS) for text in texts)
+        guards = None if texts is None else tuple(_parsed_guard(text) for text in texts)
         dropped = tuple((int(budget), str(reason)) for budget, reason in meta.get("dropped", ()))
         return Artifact(compiled, tuple(int(budget) for budget in meta["served"]), guards, dropped)
 

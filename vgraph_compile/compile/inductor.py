@@ -7,8 +7,9 @@ to the trace's ShapeEnv while it lowers. A size it pins to a constant re-derives
 (``analyze/bounds.pinned_sizes``; dynamo traces calls of other sizes again, as the guard joins its own). Then
 each added guard is checked at every bucket's sizes, in the trace's symbols (not through the replacements, which
 make a pin's own guard trivially true), and a bucket where one fails is dropped with a warning rather than served
-by code that assumed otherwise. ``shape_padding`` is off: its guards split the budget range, and
-``rewrite/align_matmuls`` pads the widths that need it instead.
+by code that assumed otherwise. A compile that leaves no bucket raises ``BudgetRefused`` naming each budget's
+failed guards, inside the call that traced (never an encoder with nothing to serve). ``shape_padding`` is off: its
+guards split the budget range, and ``rewrite/align_matmuls`` pads the widths that need it instead.
 
 Each class of identical repeated blocks (a ViT's 24-32 blocks) is lowered once and called per block
 (``compile/repeated_blocks``, ``compile_blocks_once``); the artifact key is taken on the graph before that
@@ -61,13 +62,16 @@ class CompileResult(NamedTuple):
 
 def size_guards(ctx: PassContext) -> tuple[sympy.Expr, ...]:
     """Every guard in the ShapeEnv, in the symbols the buckets size: any other symbol replaced by what the ShapeEnv
-    equates it to (as ``_holds`` does)."""
+    equates it to (as ``_holds`` does). A guard that replacement decides is a sympy boolean: ``True`` constrains
+    nothing and is left out; ``False`` is kept (no size satisfies it)."""
     sized = set().union(*(bucket.values for bucket in ctx.buckets))
     guards = []
     for guard in ctx.shape_env.guards:
         expr = sympy.sympify(guard.expr)
         others = {symbol: ctx.shape_env.replace(symbol) for symbol in expr.free_symbols if symbol not in sized}
-        guards.append(expr.xreplace(others))
+        expr = expr.xreplace(others)
+        if expr != sympy.true:
+            guards.append(expr)
     return tuple(guards)
 
 
@@ -149,13 +153,28 @@ def _added_constraints(shape_env, guards_before: int, replacements_before: dict)
     return added
 
 
+def _some_served(shapes: list[BucketShape], ctx: PassContext) -> list[BucketShape]:
+    """``shapes``, or a ``BudgetRefused`` naming why each budget was dropped (``ctx.dropped``) and what to do, when
+    there is none: no bucket to serve a call from (the trace's build stops here, inside the call that traced)."""
+    if shapes:
+        return shapes
+    reasons = "; ".join(f"budget {dropped.budget}: {dropped.reason}" for dropped in ctx.dropped)
+    raise bounds.BudgetRefused(
+        f"every token budget {list(ctx.config.budgets)} was dropped, so no bucket serves this encoder: {reasons}. "
+        "Choose token_budgets at which these hold. A guard fixing a size at the traced call's value (Eq(1, ...)) "
+        "means the call that traced had that size (0 or 1, which inductor specialized): trace on a call with more "
+        "than one of it (items, merge units, windows)"
+    )
+
+
 def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
     """The compiled graph, and the buckets it may serve: re-derived with the sizes inductor pinned held at their
     values, and only those where every guard inductor added holds at their sizes. Loaded from a saved artifact when
     one matches (``compile/artifacts``), else compiled, and saved unless inductor pinned a size (a loaded artifact
-    would not tell the buckets to hold it)."""
+    would not tell the buckets to hold it). Never returns an empty list of buckets: ``BudgetRefused`` instead, with
+    the guards that dropped each budget."""
     if ctx.config.compiler == "eager":
-        return CompileResult(lambda inputs: gm(*inputs), list(ctx.buckets), None, size_guards(ctx))
+        return CompileResult(lambda inputs: gm(*inputs), _some_served(list(ctx.buckets), ctx), None, size_guards(ctx))
     directory = artifacts.artifact_dir(ctx.config) if artifacts.available() else None
     key = artifacts.artifact_key(gm, ctx) if directory is not None else None
     loaded = load_compiled(ctx.config, key) if key is not None else None
@@ -163,7 +182,7 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
         run, artifact = loaded
         ctx.dropped.extend(DroppedBucket(budget, reason) for budget, reason in artifact.dropped)
         shapes = [bucket for bucket in ctx.buckets if bucket.budget in artifact.served]
-        return CompileResult(run, shapes, key, _parsed_guards(artifact.guards, ctx))
+        return CompileResult(run, _some_served(shapes, ctx), key, _parsed_guards(artifact.guards, ctx))
     guards_before, replacements_before = len(ctx.shape_env.guards), dict(ctx.shape_env.replacements)
     pinned_before = bounds.pinned_sizes(ctx)
     start = time.perf_counter()
@@ -195,6 +214,7 @@ def compile_once(gm: torch.fx.GraphModule, ctx: PassContext) -> CompileResult:
             continue
         served.append(bucket)
     ctx.dropped.extend(DroppedBucket(budget, reason) for budget, reason in dropped)
+    _some_served(served, ctx)
     guards = size_guards(ctx)
     saved = None
     if directory is not None and artifact is not None and pinned == pinned_before:
