@@ -56,21 +56,25 @@ def test_the_warmup_times_every_bucket_and_fills_each_full():
 
 
 def test_exact_size_saves_where_launches_hide_behind_the_rows_work_and_padding_is_worth_it():
-    """Bucket 8192 replays in 40 ms with no segment, and the exact run launches in 2 ms on the host: a call of 4096
-    rows does at least 20 ms of work there (2 <= 0.5 * 20) and spares 20 ms of padding; 8100 rows spare 0.44 ms,
-    under 2% of their 39.6; the 1024 bucket's 2 ms cannot hide 2 ms of launches; 512 was never timed."""
-    costs = PaddingCosts(budgets=(1024, 8192), empty_ms=(2.0, 40.0), exact_host_ms=2.0)
+    """Bucket 8192 replays in 40 ms with no segment (100 ms with one filling it), and the exact run launches in 2 ms
+    on the host: a call of 4096 rows does at least 20 ms of work there (2 <= 0.5 * 20) and spares 20 ms of padding;
+    8100 rows spare 0.44 ms, under 2% of their 39.6; the 1024 bucket's 2 ms cannot hide 2 ms of launches, but one
+    segment filling it, 5 ms, can; 512 was never timed."""
+    costs = PaddingCosts(budgets=(1024, 8192), empty_ms=(2.0, 40.0), full_ms=(5.0, 100.0), exact_host_ms=2.0)
     assert costs.exact_saves(8192, 4096)
     assert not costs.exact_saves(8192, 8100)
     assert costs.exact_saves(8192, 7900)  # 1.44 ms spared, 3.7% of 38.6
     assert not costs.exact_saves(8192, 800)  # 3.9 ms of work: launches not hidden
     assert not costs.exact_saves(1024, 600)
     assert not costs.exact_saves(512, 300)
+    assert costs.launch_hidden(1024, 1000, one_segment=True) and not costs.launch_hidden(1024, 1000)
+    assert not costs.launch_hidden(1024, 600, one_segment=True)  # 2.9 ms of work
+    assert not costs.launch_hidden(512, 500, one_segment=True)
 
 
 def test_padding_costs_time_buckets_largest_first_down_to_the_first_that_hides_no_launch():
-    """The timed budgets are the largest ones, each but the smallest of them hiding the exact run's launches, and
-    that smallest hiding none unless it is the smallest bucket (on the CPU the exact run's host time is its whole
+    """The timed budgets are the largest ones, each but the smallest of them hiding the exact run's launches behind
+    its one-segment replay, and that smallest hiding none unless it is the smallest bucket (on the CPU the exact run's host time is its whole
     time, so the walk stops early)."""
     torch.manual_seed(0)
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
@@ -80,10 +84,11 @@ def test_padding_costs_time_buckets_largest_first_down_to_the_first_that_hides_n
     runtime = compiled.vgraph.runtimes[0]
     buckets = runtime.buckets
     costs = measure_padding_costs(
-        buckets, lambda bucket: bucket.run(runtime.encoder.compiled), runtime.encoder.compiled,
+        buckets, lambda bucket: bucket.run(runtime.encoder.compiled), runtime.encoder.compiled, runtime.spec,
         runtime.encoder.roles, torch.device("cpu"),
     )
     budgets = tuple(bucket.shape.budget for bucket in buckets)
-    assert costs.budgets == budgets[-len(costs.budgets) :] and min(costs.empty_ms) > 0 and costs.exact_host_ms > 0
-    hides = [costs.exact_host_ms <= EXACT_HOST_SHARE * ms for ms in costs.empty_ms]
+    assert costs.budgets == budgets[-len(costs.budgets) :] and costs.exact_host_ms > 0
+    assert min(costs.empty_ms + costs.full_ms) > 0
+    hides = [costs.exact_host_ms <= EXACT_HOST_SHARE * ms for ms in costs.full_ms]
     assert all(hides[1:]) and (not hides[0] or costs.budgets[0] == budgets[0])

@@ -121,7 +121,7 @@ def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_anot
         # On a GPU, where padding costs are measured: only where the exact run's launch hides behind the call's
         # work (bucket 128: 40 ms of row work, 2 ms of launches; bucket 64 untimed, too small to hide any). 127 rows
         # leave too little padding to leave the graph for, so only the kernel sends them.
-        runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), exact_host_ms=2.0)
+        runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), full_ms=(60.0,), exact_host_ms=2.0)
         runtime._exact_first_choices.clear()
         for lengths, replays in (([40], 1), ([127], 0), ([3, 124], 1)):
             inputs = pack_images(lengths, 12)
@@ -144,7 +144,7 @@ def test_a_call_whose_padding_costs_more_than_the_exact_launch_runs_at_its_exact
     not worth it) and one in bucket 64 (never timed: too small to hide launches) replay their buckets."""
     runtime = compiled.vgraph.runtimes[0]
     exact_before = runtime.choices[EXACT]
-    runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), exact_host_ms=2.0)
+    runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), full_ms=(60.0,), exact_host_ms=2.0)
     runtime._exact_first_choices.clear()
     try:
         with torch.no_grad():

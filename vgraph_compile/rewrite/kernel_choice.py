@@ -17,7 +17,8 @@ compiled graph is one for all buckets: a group whose buckets chose different ker
 A call of one image is not charged for a bucket's other slots either: for the full-attention buckets, one segment
 filling the bucket is timed on every kernel, dense ones included, and where another kernel saves at least
 ``EXACT_WORTH_MS`` over the group's sites it becomes the group's one-segment entry; the runtime serves such calls
-at their exact sizes (no padding rows, the offsets one segment long), where the op picks that entry.
+at their exact sizes (no padding rows, the offsets one segment long), where the op picks that entry, when that
+run's host launch hides behind the call's work (``serve/call_costs.PaddingCosts``).
 
 The timings are cached in ``vgraph_kernels.json`` under inductor's cache directory, keyed by device, torch
 version, kernels and shape: a second start with the same model and GPU does not time again.
@@ -47,9 +48,9 @@ log = logging.getLogger(__name__)
 _REPEATS = 5
 
 EXACT_WORTH_MS = 1.0
-"""The least a one-segment call's kernel must save over a group's sites for a call to leave its bucket's graph for
-the compiled code at its exact sizes: about the host time of such a call on a released tower (``benchmarks/
-startup.py``'s host-time table), which a replay does not pay."""
+"""The least a one-segment call's kernel must save over a group's sites to get an entry of its own (timing noise
+below it). A call takes that entry only at its exact sizes, with no graph, and the runtime sends it there only where
+that run's host launch hides behind the call's work (``serve/call_costs.PaddingCosts``, measured at warm-up)."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def _one_segment_kernel(
 ) -> str:
     """The kernel for a call whose offsets hold one segment of ``shape.rows`` rows, where ``kernel`` serves the
     bucket: another (a ``whole_rows`` kernel, say) only where it saves at least ``EXACT_WORTH_MS`` over the
-    group's ``sites``, since the runtime runs such a call at its exact sizes, with no graph, to get it."""
+    group's ``sites``."""
     single = GroupShape(shape.rows, shape.rows, 1, shape.heads, shape.head_dim, shape.dtype)
     timings = cache.setdefault(key(single, names), {})
 

@@ -210,6 +210,7 @@ class VGraphRuntime:
                     self.buckets,
                     lambda bucket: bucket.run(self.encoder.compiled),
                     self.encoder.compiled,
+                    self.spec,
                     self.encoder.roles,
                     self.device,
                 )
@@ -422,7 +423,8 @@ class VGraphRuntime:
             chosen = self._one_segment_kernel(bucket, plan)
         else:
             chosen = padding.exact_saves(budget, plan.tokens) or (
-                padding.launch_hidden(budget, plan.tokens) and self._one_segment_kernel(bucket, plan)
+                padding.launch_hidden(budget, plan.tokens, one_segment=True)
+                and self._one_segment_kernel(bucket, plan)
             )
         chosen = chosen and self._exact_allowed(bucket, plan)
         if len(self._exact_first_choices) >= _CHOICE_CACHE_SIZE:
