@@ -205,15 +205,7 @@ class VGraphRuntime:
             return
         with self._lock, startup_phases.phase("padding_costs"):
             if self.padding is None:
-                self._on_call_stream()
-                self.padding = measure_padding_costs(
-                    self.buckets,
-                    lambda bucket: bucket.run(self.encoder.compiled),
-                    self.encoder.compiled,
-                    self.spec,
-                    self.encoder.roles,
-                    self.device,
-                )
+                self.padding = self._measure(measure_padding_costs)
                 self._exact_first_choices.clear()  # after: a choice made without the costs is not kept
 
     def _measure_costs(self) -> None:
@@ -223,15 +215,20 @@ class VGraphRuntime:
             return
         with self._lock, startup_phases.phase("call_costs"):
             if self.costs is None:
-                self._on_call_stream()
-                self.costs = measure_call_costs(
-                    self.buckets,
-                    lambda bucket: bucket.run(self.encoder.compiled),
-                    self.encoder.compiled,
-                    self.spec,
-                    self.encoder.roles,
-                    self.device,
-                )
+                self.costs = self._measure(measure_call_costs)
+
+    def _measure(self, measure: Callable[..., Any]) -> Any:
+        """``measure`` (a ``serve/call_costs`` measurement) over the buckets, their replays and the compiled code,
+        on the call stream; the caller holds the lock."""
+        self._on_call_stream()
+        return measure(
+            self.buckets,
+            lambda bucket: bucket.run(self.encoder.compiled),
+            self.encoder.compiled,
+            self.spec,
+            self.encoder.roles,
+            self.device,
+        )
 
     @property
     def offers_stock(self) -> bool:
