@@ -118,3 +118,28 @@ def test_opcheck_on_cuda(name, lengths, padding):
         torch.randn(rows, 16, 72, device=CUDA, dtype=torch.bfloat16, generator=generator) for _ in range(3)
     )
     opcheck(VARLEN_ATTENTION.default, (q, k, v, cu_seqlens(lengths, CUDA), max(lengths), None, name))
+
+
+def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
+    """FA4's JIT-compiled kernels land beside inductor's cache; a second process (same cache) computes the same
+    output from them, so a warm start pays no CuTe-DSL compile."""
+    import os
+    import subprocess
+    import sys
+
+    _require("fa4", torch.bfloat16)
+    script = (
+        "import torch, sys\n"
+        "from vgraph_compile.kernels.ops import varlen_attention\n"
+        "from vgraph_compile.kernels.segments import cu_seqlens\n"
+        "g = torch.Generator(device='cuda').manual_seed(0)\n"
+        "q, k, v = (torch.randn(700, 16, 72, device='cuda', dtype=torch.bfloat16, generator=g) for _ in range(3))\n"
+        "out = varlen_attention(q, k, v, cu_seqlens([300, 400], 'cuda'), 400, backend='fa4')\n"
+        "torch.save(out.cpu(), sys.argv[1])\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for name in ("first.pt", "second.pt"):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env, check=True, timeout=600)
+    cached = tmp_path / "inductor" / "flash_attention_cute_dsl"
+    assert cached.is_dir() and any(path.is_file() for path in cached.rglob("*"))
+    assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))

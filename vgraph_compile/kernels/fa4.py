@@ -10,10 +10,16 @@ Invariants:
   a masked weight times a NaN value is still NaN, so it runs ``segments.confined`` (as the masked kernels do): a
   NaN/Inf in one segment reaches no other, at the cost of one pass over k and v (``auto`` times it included);
 - zero-length segments (padding that repeats the last offset) are empty, and rows past ``cu_seqlens[-1]`` are left
-  for the op to zero.
+  for the op to zero;
+- its compiled kernels are saved on disk beside inductor's cache (flash-attn-4's own persistent cache,
+  ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`` / ``_DIR``, set here unless the user set them before flash-attn-4 was
+  first imported), so a warm start loads them instead of compiling them again.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -24,9 +30,7 @@ def unconfined(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None
 ) -> torch.Tensor:
     """The kernel alone: a NaN/Inf in k or v can reach the rows of the previous segment."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    out, _ = flash_attn_varlen_func(
+    out, _ = _varlen_forward()(
         q,
         k,
         v,
@@ -40,3 +44,15 @@ def unconfined(
 
 
 attention = confined(unconfined)
+
+
+@functools.cache
+def _varlen_forward():
+    """flash-attn-4's varlen forward, imported once, its JIT cache on disk (module docstring)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", os.path.join(cache_dir(), "flash_attention_cute_dsl"))
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
