@@ -121,8 +121,8 @@ def test_opcheck_on_cuda(name, lengths, padding):
 
 
 def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
-    """FA4's JIT-compiled kernels land beside inductor's cache; a second process (same cache) computes the same
-    output from them, so a warm start pays no CuTe-DSL compile."""
+    """FA4's JIT-compiled kernels land beside inductor's cache; a second process (same cache) writes none again and
+    computes the same output, so a warm start pays no CuTe-DSL compile."""
     import os
     import subprocess
     import sys
@@ -138,8 +138,14 @@ def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
         "torch.save(out.cpu(), sys.argv[1])\n"
     )
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    for name in ("first.pt", "second.pt"):
-        subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env, check=True, timeout=600)
     cached = tmp_path / "inductor" / "flash_attention_cute_dsl"
-    assert cached.is_dir() and any(path.is_file() for path in cached.rglob("*"))
+
+    def files():
+        return {path: path.stat().st_mtime_ns for path in cached.rglob("*") if path.is_file()}
+
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "first.pt")], env=env, check=True, timeout=600)
+    written = files()
+    assert written, "the first process saved no compiled kernel"
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "second.pt")], env=env, check=True, timeout=600)
+    assert files() == written  # nothing compiled and written again
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
