@@ -216,7 +216,8 @@ def test_padding_tiles_with_patch_mask(family):
     mask[1, 2:, :] = False
     mask[4, :, 3:] = False
     pixels[1, :, 16:, :] = 0
-    with torch.no_grad(), counters.expect(traces=1, buckets_built=8, replays=1):
+    # the patch convolution rewritten in both copies of the trace
+    with torch.no_grad(), counters.expect(traces=1, nodes_rewritten=2, buckets_built=8, replays=1):
         got = compiled(pixels, patch_attention_mask=mask)
     _assert_outputs_equal(got, tower(pixels, patch_attention_mask=mask))
 
@@ -345,11 +346,12 @@ def map_head():
     """SigLIP with its MAP head (``nn.MultiheadAttention`` pooling), buckets 1, 2, 3, first called with one tile.
     The head's key projection is a linear of a transposed ``[L, N, E]`` view, whose contiguity check guards
     N != 1 in the trace dynamic in N: that trace drops the bucket of one tile, so the first call also traces one
-    tile statically. Counted: two traces; buckets 2 and 3, then 1; one replay for each trace's call."""
+    tile statically. Counted: two traces; buckets 2 and 3, then 1; one replay for each trace's call; the patch
+    convolution rewritten in both copies of each trace."""
     tower = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(vision_use_head=True, **TINY)).eval()
     compiled = compile_tile_tower(tower, max_items=3, exact_items=3, compiler="eager")
     pixels = _pixels(1, seed=1)
-    with torch.no_grad(), counters.expect(traces=2, buckets_dropped=1, buckets_built=3, replays=2):
+    with torch.no_grad(), counters.expect(traces=2, nodes_rewritten=4, buckets_dropped=1, buckets_built=3, replays=2):
         _assert_outputs_equal(compiled(pixels), tower(pixels))
     return tower, compiled
 

@@ -6,6 +6,8 @@ first, since ``select_kernel`` writes the choice into both copies), then rewrite
 (``REWRITES``) and a copy to compile (``REWRITES + COMPILE_REWRITES``). The trace itself is left as traced.
 
 Order of the passes, and why:
+0. ``patch_matmuls`` (both copies): a patch-embedding convolution becomes a matmul over its patches; it touches no
+   attention, so its place only needs to precede ``align_matmuls``, which may then see its linear.
 1. ``drop_true_masks`` (both copies): attention masks that are all True by construction are dropped first, so no
    later pass or kernel choice sees them (SDPA then picks its unmasked kernels, as eager does).
 2. ``fold_scalars`` (both copies): ``.item()`` of scalar inputs becomes the traced value, before anything is
@@ -35,6 +37,7 @@ from vgraph_compile.rewrite import (
     fold_scalars,
     kernel_choice,
     lower_qkv_offsets,
+    patch_matmuls,
     select_kernel,
     sequence_attention,
 )
@@ -43,6 +46,7 @@ from vgraph_compile.spec import PassContext
 __all__ = ["REWRITES", "COMPILE_REWRITES", "Rewritten", "rewrite", "rewrite_trace"]
 
 REWRITES: tuple[tuple[str, Pass], ...] = (
+    ("patch_matmuls", patch_matmuls.run),
     ("drop_true_masks", drop_true_masks.run),
     ("fold_scalars", fold_scalars.run),
     ("select_kernel", select_kernel.run),
