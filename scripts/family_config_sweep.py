@@ -1,6 +1,8 @@
-"""Draw configs of every served packed family (``tests/hf/family_configs.tower_sizes``) and serve each one
-(``check_served``), recording every outcome instead of stopping at the first failure: how many configs were drawn
-per family, how many the stock tower rejected, and each failure with its config and first error line.
+"""Draw configs of every served packed family and the options each is compiled with
+(``tests/hf/family_configs.tower_sizes``, ``serving_options``) and serve each draw (``check_served``: inductor
+draws on a fresh cache, then on that warm cache), recording every outcome instead of stopping at the first failure:
+how many draws per family, how many the stock tower rejected, and each failure with its config, its options and
+its first error line.
 
     PYTHONPATH=. python scripts/family_config_sweep.py --configs 40 --out sweep.json [--families qwen2_5_vl ...]
 """
@@ -8,6 +10,7 @@ per family, how many the stock tower rejected, and each failure with its config 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,9 +24,8 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis.errors import UnsatisfiedAssumption  # noqa: E402
 
-from tests.hf.family_configs import check_served, tower_sizes  # noqa: E402
-from tests.hf.test_families import REFUSED  # noqa: E402
-from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families  # noqa: E402
+from tests.hf.family_configs import check_served, serving_options, tower_sizes  # noqa: E402
+from tests.hf.test_family_configs import SERVED  # noqa: E402
 
 
 def sweep(name: str, configs: int, seed: int) -> dict:
@@ -31,12 +33,12 @@ def sweep(name: str, configs: int, seed: int) -> dict:
 
     @settings(max_examples=configs, database=None, deadline=None, derandomize=False, phases=["generate"],
               suppress_health_check=list(HealthCheck))
-    @given(fields=tower_sizes(name))
-    def run(fields):
+    @given(fields=tower_sizes(name), options=serving_options())
+    def run(fields, options):
         record["drawn"] += 1
         torch._dynamo.reset()
         try:
-            check_served(name, fields)
+            check_served(name, fields, options)
         except UnsatisfiedAssumption:
             record["rejected"] += 1
             raise
@@ -45,7 +47,9 @@ def sweep(name: str, configs: int, seed: int) -> dict:
             where = traceback.extract_tb(error.__traceback__)[-1]
             first = (str(error).splitlines() or [""])[0][:300]
             record["failures"].append({"config": {k: v for k, v in fields.items() if k != "id2label"},
+                                       "options": dataclasses.asdict(options),
                                        "error": f"{type(error).__name__}: {first}",
+                                       "phase": "; ".join(getattr(error, "__notes__", ())),
                                        "at": f"{where.filename.rsplit('/', 2)[-1]}:{where.lineno}"})
 
     run._hypothesis_internal_use_seed = seed
@@ -55,13 +59,13 @@ def sweep(name: str, configs: int, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", type=int, default=10, help="configs drawn per family")
-    parser.add_argument("--families", nargs="*", help="default: every served family")
+    parser.add_argument("--configs", type=int, default=10, help="configs (each with its options) drawn per family")
+    parser.add_argument("--families", nargs="*", help="default: every family the whole-tower graph serves")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    names = args.families or sorted(set(vision_utils_families()) - set(REFUSED))
+    names = args.families or SERVED
     results = {}
     for name in names:
         start = time.perf_counter()
