@@ -51,3 +51,27 @@ def test_a_relation_the_graph_lacks_is_asked_for_by_name():
         str(refused.value),
         """the attention's packed row count is window_index.shape[0]*((x.shape[0]//((x.shape[0]//4)))): vgraph bounds a sum of sizes (e.g. patches + one CLS row per image), and found no relation in the graph that reduces it to one. Tie the sizes in the encoder before the attention, e.g. torch._check(x.shape[0] == 4 * window_index.shape[0])""",
     )
+
+
+def test_rows_the_trace_fixed_name_the_input_dims_it_fixed():
+    """A plain trace (duck sizing) of a window permutation whose first call has as many merge units (12) as the
+    patches are wide: ``window_index``'s length shares the width's symbol, which the linear fixes at 12, and the
+    view's guards then fix the tokens at 48. The row count ``12 * (T // (T // 4))`` reduces to 48 by those guards
+    (``symbolic.canonical``): a static trace, whose message names the input dim the trace fixed."""
+    from vgraph_compile.spec import StaticTokensError
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(12, 8)
+
+        def forward(self, x, cu, max_seqlen, window_index):
+            x = self.embed(x)
+            tokens, width = x.shape
+            x = x.view(tokens // 4, 4, width)[window_index].reshape(tokens, width)
+            return varlen_attention(*(x.view(tokens, 2, -1),) * 3, cu, max_seqlen)
+
+    inputs = torch.randn(48, 12), torch.tensor([0, 16, 48], dtype=torch.int32), 32, torch.randperm(12)
+    gm, ctx = trace(Encoder(), *inputs, plain=True)
+    with pytest.raises(StaticTokensError, match=r"row count at 48 \(with window_index\.shape\[0\] == 12\): "):
+        discover.run(gm, ctx)
