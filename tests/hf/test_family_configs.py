@@ -19,7 +19,6 @@ from tests.helpers import THOROUGH
 from tests.hf import test_block_graphs
 from tests.hf.family_configs import REPORTED, check_served, serving_options, tiny_sizes, tower_sizes
 from tests.hf.test_families import REFUSED
-from vgraph_compile.analyze.bounds import BudgetRefused
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
 SERVED = sorted(
@@ -44,24 +43,17 @@ _REPORTED_LAYOUTS = {
     "every block a window block": ("qwen2_5_vl", dict(depth=2, fullatt_block_indexes=[])),
     "every block full attention": ("exaone4_5", dict(depth=2, fullatt_block_indexes=[0, 1])),
 }
-_UNUSED_INT = (
-    "a window-only tower never reads max_seqlen, a full-only one max_window_seqlen: no graph input, no dynamo guard, "
-    "yet the hot path fingerprints every int argument the trace did not make a size by its value "
-    "(serve/arguments._fingerprint), so each call whose value differs from the traced one goes through dynamo's "
-    "guards, which hold inductor's Ne(1, window_index.shape[0]): an image of one merge unit traces again, and that "
-    "trace drops every budget (the warm cache traces and compiles again too)"
-)
 
 
 @pytest.mark.skipif(not THOROUGH, reason="two inductor compiles each: HYPOTHESIS_PROFILE=thorough")
 @pytest.mark.parametrize("layout", list(_REPORTED_LAYOUTS))
-@pytest.mark.xfail(raises=BudgetRefused, strict=True, reason=_UNUSED_INT)
 def test_layouts_of_one_attention_kind_with_the_reported_options(layout):
     """The layouts reported to fail with ``token_budgets=[256, 1024], max_items=4`` and inductor (fresh cache:
     ``max() arg is an empty sequence``; warm cache: ``'bool' object has no attribute 'xreplace'``) serve one
-    image, several items and a split call on a fresh cache, then fail on the image of one merge unit, with every
-    budget dropped said as a ``BudgetRefused`` (the cause, outside the compile: ``_UNUSED_INT``). A strict
-    expected failure: once the cause is fixed, this test fails until its mark is removed."""
+    image, several items, a split call and an image of one merge unit on a fresh cache, then on the warm one with
+    no trace. The image of one merge unit traced again while the hot path fingerprinted by value the int argument
+    such a tower never reads (``max_seqlen`` of a window-only tower, ``max_window_seqlen`` of a full-only one), and
+    that trace's guard ``Ne(1, window_index.shape[0])`` dropped every budget."""
     name, fields = _REPORTED_LAYOUTS[layout]
     check_served(name, tiny_sizes(name, **fields), REPORTED)
 

@@ -50,6 +50,26 @@ def test_hot_path_reads_arguments_by_name_and_position(model):
     assert rows == 23
 
 
+def test_an_argument_the_trace_never_read_may_change_on_the_hot_path(model):
+    """``window`` is an int the encoder takes and never reads (a window-only tower's ``max_seqlen``): dynamo guards
+    nothing on it, so another value replays with no trace; ``scale``, which the trace read, still traces again."""
+
+    def encode(patches, cu_seqlens, max_seqlen, window=64, scale=1.0):
+        return model(patches, cu_seqlens, max_seqlen) * scale
+
+    compiled = vgraph_compile.encoder(encode, token_budgets=(16, 64), max_segments=4, compiler="eager")
+    inputs = pack_images([5, 7], 12)
+    with torch.no_grad():
+        compiled(*inputs)
+        arguments = compiled._hot.arguments
+        assert arguments.read(inputs, {"window": 500}) is not None and arguments.read(inputs, {"scale": 2.0}) is None
+        with counters.expect(replays=2):
+            for window in (1, 500):
+                torch.testing.assert_close(compiled(*inputs, window=window), model(*inputs), rtol=1e-5, atol=1e-5)
+        with counters.expect(traces=1, sites_found=1, buckets_built=2, nodes_rewritten=2, replays=1):
+            compiled(*inputs, window=3, scale=2.0)
+
+
 def test_a_specialized_argument_goes_back_through_dynamo(model):
     """``scale`` is a float the trace specialized: another value is a new trace, never a stale constant."""
     compiled, inputs = _scaled_encoder(model)

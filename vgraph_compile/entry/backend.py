@@ -33,7 +33,7 @@ from vgraph_compile.analyze import ANALYSES, Analyses
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters, startup_phases
 from vgraph_compile.entry import warm_start
-from vgraph_compile.serve.arguments import argument_rooted
+from vgraph_compile.serve.arguments import argument_rooted, pinned_sources
 from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile.spec import PassContext, Role, StaticTokensError, user_name
 from vgraph_compile.symbolic import evaluate, traced_values
@@ -170,6 +170,7 @@ class VGraphBackend:
             for source, value in zip(sources, ctx.example_inputs)
         ]
         runtime = VGraphRuntime(built.encoder, built.checks, ctx.device, fixed, sources, self.keep_first_outputs)
+        runtime.pinned_sources = pinned_sources()
         self.adopt(runtime)
         return runtime
 

@@ -193,7 +193,9 @@ class CompiledEncoderFunction:
         first, runtime.first_outputs = runtime.first_outputs, None
         if first is None:
             return None
-        arguments = CallArguments.from_trace(runtime.input_sources, runtime.fixed_inputs, self._forward)
+        arguments = CallArguments.from_trace(
+            runtime.input_sources, runtime.fixed_inputs, self._forward, runtime.pinned_sources
+        )
         layout = OutputLayout.match(result, first)
         if arguments is None or layout is None:
             return None

@@ -70,6 +70,8 @@ class BuildPlan:
     """Per graph input: where the decorator reads it from a call's arguments (``CallArguments.paths``)."""
     fingerprint: Any
     """The traced call's structure and specialized constants (``CallArguments.fingerprint``)."""
+    pinned: frozenset[str] | None
+    """The argument sources the trace specialized (``CallArguments.pinned``), which the fingerprint reads."""
     outputs: OutputLayout
 
 
@@ -274,6 +276,7 @@ def save(
         constants=constants,
         paths=arguments.paths,
         fingerprint=arguments.fingerprint,
+        pinned=arguments.pinned,
         outputs=outputs,
     )
     saved = artifacts.save_plan(artifacts.artifact_dir(config), key, plan)
@@ -305,7 +308,7 @@ def load(
     for index, value in plan.constants.items():
         fixed[index] = value
     runtime = VGraphRuntime(built.encoder, built.checks, torch.device(plan.device), fixed)
-    arguments = CallArguments.over(forward, plan.paths, fixed)
+    arguments = CallArguments.over(forward, plan.paths, fixed, plan.pinned)
     arguments.fingerprint = plan.fingerprint
     log.info("vgraph: serving from the build plan %s (no trace, no compile)", key)
     return runtime, arguments, plan.outputs

@@ -7,7 +7,8 @@ readers over the call's bound arguments: inputs rooted in an argument are read p
 
 Invariant: ``read`` gives the same graph inputs dynamo would pass, or None when the call differs from the
 trace in a way only a retrace can tell: another structure (None where a tensor was), or another value of an
-argument the trace specialized (a flag, a float, an int it did not make a size). Tensors' dtypes, devices and
+argument the trace specialized (a flag, a float, an int it did not make a size: one dynamo guarded by more than
+its type; a value the trace never read, which dynamo does not guard, may change). Tensors' dtypes, devices and
 static dims are the runtime's own per-call checks. ``OutputLayout`` rebuilds what the encoder returns (a tensor,
 or tuples and lists of them) from the runtime's flat outputs.
 """
@@ -22,7 +23,9 @@ from typing import Any, Callable, Hashable, NamedTuple, Sequence
 import torch
 from torch._dynamo import source as dynamo_source
 
-__all__ = ["AttributeStep", "CallArguments", "OutputLayout", "SizeStep", "argument_rooted", "source_name"]
+__all__ = [
+    "AttributeStep", "CallArguments", "OutputLayout", "SizeStep", "argument_rooted", "pinned_sources", "source_name"
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +107,54 @@ def _reader(path: tuple) -> Reader:
     return read
 
 
-def _fingerprint(value: Any, path: tuple, sizes: set[tuple]) -> Any:
-    """What of ``value`` the trace depends on beyond the graph inputs: structure, and specialized constants."""
+_TYPE_ONLY_GUARDS = frozenset({"TYPE_MATCH"})
+"""Guards that pin a value's type, not the value."""
+
+
+def pinned_sources() -> frozenset[str] | None:
+    """The source names whose values the frame being traced specialized: those dynamo guards with more than their
+    type (an int it read as a constant, a flag it branched on, an object it compared by identity). Read inside the
+    backend's call, while dynamo's tracing context holds the guards; None outside one."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is None:
+        return None
+    return frozenset(
+        source_name(guard.originating_source)
+        for guard in context.guards_context.dynamo_guards
+        if guard.originating_source is not None and guard.create_fn_name() not in _TYPE_ONLY_GUARDS
+    )
+
+
+def _source_of(path: tuple) -> str:
+    """Dynamo's name of the local source ``path`` reads (``L['kwargs']['max_seqlen']``)."""
+    return f"L[{path[0]!r}]" + "".join(f"[{key!r}]" for key in path[1:])
+
+
+def _pinned(path: tuple, pinned: frozenset[str] | None) -> bool:
+    """Whether the trace specialized the value at ``path`` or anything read from it (None: assume so)."""
+    if pinned is None:
+        return True
+    source = _source_of(path)
+    return any(name == source or name.startswith((f"{source}.", f"{source}[")) for name in pinned)
+
+
+def _fingerprint(value: Any, path: tuple, sizes: set[tuple], pinned: frozenset[str] | None) -> Any:
+    """What of ``value`` the trace depends on beyond the graph inputs: structure, and the constants it specialized
+    (any other value counts by its type: the trace never read it)."""
     if isinstance(value, torch.Tensor):
         return torch.Tensor
     if isinstance(value, (list, tuple)):
-        return type(value), tuple(_fingerprint(item, (*path, i), sizes) for i, item in enumerate(value))
+        return type(value), tuple(_fingerprint(item, (*path, i), sizes, pinned) for i, item in enumerate(value))
     if isinstance(value, dict):
-        return dict, tuple((key, _fingerprint(item, (*path, key), sizes)) for key, item in value.items())
+        return dict, tuple((key, _fingerprint(item, (*path, key), sizes, pinned)) for key, item in value.items())
     if path in sizes:
         if not isinstance(value, int) or isinstance(value, bool):
             where = path[0] + "".join(f"[{key!r}]" for key in path[1:])
             raise ValueError(f"{where} must be an int (it is a size of the encoder's trace), got {value!r}")
         return int
-    return type(value), value
+    return (type(value), value) if _pinned(path, pinned) else type(value)
 
 
 @dataclass
@@ -134,6 +171,8 @@ class CallArguments:
     positionally needs no ``Signature.bind``."""
     var_keyword: str | None = None
     """The name of the ``**kwargs`` parameter that follows ``positional`` (None: there is none)."""
+    pinned: frozenset[str] | None = None
+    """Source names of the values the trace specialized (``pinned_sources``); None: every constant."""
     fingerprint: Any = None
 
     def __post_init__(self) -> None:
@@ -145,7 +184,13 @@ class CallArguments:
         """Call keys whose call matched the fingerprint (``read``)."""
 
     @classmethod
-    def over(cls, forward: Callable[..., Any], paths: list[tuple | None], bound: list[Any]) -> "CallArguments":
+    def over(
+        cls,
+        forward: Callable[..., Any],
+        paths: list[tuple | None],
+        bound: list[Any],
+        pinned: frozenset[str] | None = None,
+    ) -> "CallArguments":
         """Readers of ``paths`` over the arguments of ``forward``'s calls, the other inputs bound."""
         signature = inspect.signature(forward)
         parameters = list(signature.parameters.values())
@@ -157,14 +202,19 @@ class CallArguments:
             for parameter in parameters
         )
         names = tuple(parameter.name for parameter in parameters) if plain else ()
-        return cls(signature, list(paths), list(bound), names, var_keyword if plain else None)
+        return cls(signature, list(paths), list(bound), names, var_keyword if plain else None, pinned)
 
     @classmethod
     def from_trace(
-        cls, sources: Sequence[Any], fixed: Sequence[Any], forward: Callable[..., Any]
+        cls,
+        sources: Sequence[Any],
+        fixed: Sequence[Any],
+        forward: Callable[..., Any],
+        pinned: frozenset[str] | None = None,
     ) -> "CallArguments | None":
         """Readers for the graph inputs of ``sources`` (dynamo's, one per input; ``fixed`` holds the traced value
-        of each input not rooted in an argument). None (logged) when the hot path cannot read some input."""
+        of each input not rooted in an argument; ``pinned``: the sources the trace specialized). None (logged)
+        when the hot path cannot read some input."""
         names = set(inspect.signature(forward).parameters)
         paths = []
         for index, source in enumerate(sources):
@@ -180,7 +230,7 @@ class CallArguments:
                 log.info("the encoder keeps dynamo's guards on every call: its inputs include %s", why)
                 return None
             paths.append(path)
-        return cls.over(forward, paths, fixed)
+        return cls.over(forward, paths, fixed, pinned)
 
     def _local(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         if self.positional and len(args) == len(self.positional):
@@ -194,10 +244,13 @@ class CallArguments:
         bound.apply_defaults()
         return bound.arguments
 
+    def _fingerprints(self, local: dict[str, Any]) -> dict[str, Any]:
+        return {name: _fingerprint(value, (name,), self.sizes, self.pinned) for name, value in local.items()}
+
     def remember(self, args: tuple, kwargs: dict) -> None:
         """Record the traced call's fingerprint (structure and specialized constants)."""
         local = self._local(args, kwargs)
-        self.fingerprint = {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()}
+        self.fingerprint = self._fingerprints(local)
 
     def read(self, args: tuple, kwargs: dict, key: Hashable = None) -> list[Any] | None:
         """The graph inputs for this call, or None when it needs a retrace; a ValueError for a size that is no int.
@@ -210,7 +263,7 @@ class CallArguments:
         except TypeError:
             return None
         if key is None or key not in self._matched:
-            if {name: _fingerprint(value, (name,), self.sizes) for name, value in local.items()} != self.fingerprint:
+            if self._fingerprints(local) != self.fingerprint:
                 return None
             if key is not None:
                 if len(self._matched) >= _MATCHED_KEYS:

@@ -144,6 +144,9 @@ class VGraphRuntime:
         )
         self.input_sources = list(sources) if sources is not None else None
         """Dynamo's source of each graph input (None where it has none); None for a runtime no trace made."""
+        self.pinned_sources: frozenset[str] | None = None
+        """Names of the argument sources whose values the trace specialized (dynamo guards them beyond their type);
+        None where unknown (every constant argument then counts as specialized)."""
         self.serves = 0
         """Calls served (by a bucket or eagerly)."""
         self._keep_first_outputs = keep_first_outputs
