@@ -96,6 +96,8 @@ def test_a_per_bucket_choice_picks_by_rows_and_one_segment_calls_by_their_own_en
     assert [registry.pick(split, rows, 2) for rows in (100, 600, 9000)] == ["sdpa", "sdpa", "sdpa"]
     assert registry.pick(split, 600) == "sdpa"  # segments unknown: the entries for any call
     assert registry.kernel_names(split) == ("sdpa", "sdpa", "sdpa", "dense_flash")
+    assert registry.has_one_segment_entries(split) and not registry.has_one_segment_entries(name)
+    assert not registry.has_one_segment_entries("sdpa")
 
 
 @pytest.mark.parametrize("name", ["1x512:sdpa", "512:sdpa;1y9:sdpa", "512:"])

@@ -141,7 +141,8 @@ class _OwnTrace(PackedViT):
 def test_a_call_whose_padding_costs_more_than_the_exact_launch_runs_at_its_exact_size(model, compiled):
     """With padding costs of the shape a large tower measures on a GPU (bucket 128: 40 ms of row work, 2 ms of
     launches), a call of 100 rows runs the compiled code at its sizes; a call of 126 rows (2% of padding is
-    not worth it) and one in bucket 64 (never timed: too small to hide launches) replay their buckets."""
+    not worth it) and one in bucket 64 (never timed: too small to hide launches) replay their buckets; threads
+    whose calls take either route get their own rows."""
     runtime = compiled.vgraph.runtimes[0]
     exact_before = runtime.choices[EXACT]
     runtime.padding = PaddingCosts(budgets=(128,), empty_ms=(40.0,), full_ms=(60.0,), exact_host_ms=2.0)
@@ -153,6 +154,9 @@ def test_a_call_whose_padding_costs_more_than_the_exact_launch_runs_at_its_exact
                 with counters.expect(replays=replays):
                     torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
         assert runtime.choices[EXACT] == exact_before + 2
+        # callers on four threads at once, calls of either route interleaved, each gets its own rows
+        assert _wrong_from_threads(compiled, model, 10) == [0, 0, 0, 0]
+        assert runtime.choices[EXACT] > exact_before + 2
     finally:
         runtime.padding = None
         runtime._exact_first_choices.clear()

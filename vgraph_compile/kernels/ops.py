@@ -41,7 +41,8 @@ def _varlen_attention(
     ``backend`` names an implementation in ``vgraph_compile.kernels`` (``"default"``: FlashAttention-2 for
     fp16/bf16 on CUDA, the SDPA reference elsewhere), or one per row count and one-segment calls
     (``registry.by_rows``), chosen here from q's rows and the offsets' segment count, both shapes read on the host
-    (inside a captured graph they are the bucket's; at a call's exact sizes, the call's own). A compiled graph replaces it with the configured one.
+    (inside a captured graph they are the bucket's; at a call's exact sizes, the call's own). A compiled graph
+    replaces it with the configured one.
     ``sequence_group`` / ``sequence_ranks``: the process group (by name) whose ranks each hold a slice of the rows;
     the compiled graphs of a sequence-parallel tower set them (``rewrite/sequence_attention``).
     """

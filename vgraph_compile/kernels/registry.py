@@ -237,6 +237,11 @@ def kernel_names(name: str) -> tuple[str, ...]:
     return tuple(kernel for _, kernel in (*many, *one))
 
 
+def has_one_segment_entries(name: str) -> bool:
+    """Whether ``name`` gives calls of one segment kernels of their own (``by_rows``'s ``1x`` entries)."""
+    return ":" in name and bool(_entries(name)[1])
+
+
 def pick(name: str, rows: int | None = None, segments: int | None = None) -> str:
     """The plain kernel name ``name`` gives an attention call of ``rows`` rows whose offsets hold ``segments``
     segments (None: unknown; the largest entry of a ``by_rows`` choice, for any call)."""

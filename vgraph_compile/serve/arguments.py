@@ -15,6 +15,7 @@ or tuples and lists of them) from the runtime's flat outputs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -132,8 +133,10 @@ def _source_of(path: tuple) -> str:
     return f"L[{path[0]!r}]" + "".join(f"[{key!r}]" for key in path[1:])
 
 
+@functools.lru_cache(maxsize=4096)
 def _pinned(path: tuple, pinned: frozenset[str] | None) -> bool:
-    """Whether the trace specialized the value at ``path`` or anything read from it (None: assume so)."""
+    """Whether the trace specialized the value at ``path`` or anything read from it (None: assume so); memoized,
+    since the hot path asks it of every constant of every call it fingerprints."""
     if pinned is None:
         return True
     source = _source_of(path)

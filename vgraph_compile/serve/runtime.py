@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -159,7 +160,7 @@ class VGraphRuntime:
         """The table the per-call choice reads (measured at warm-up with ``call_choice="measured"``)."""
         self.choices: collections.Counter[str] = collections.Counter()
         """Calls per choice (``CHOICES``) under every call_choice but smallest_bucket, whose replays are not counted
-        here (its exact-size calls for a one-segment kernel are)."""
+        here (its calls at their exact sizes are: ``_exact_first``)."""
         self._splitter = Splitter(self.spec) if can_split(self.spec) else None
         self._routes: dict[tuple[tuple[int, ...], bool], tuple[str, float]] = {}
         """Per (call sizes, stock offered): the cheapest of padding, the exact size and the stock module, and its
@@ -437,19 +438,28 @@ class VGraphRuntime:
         the call's rows another kernel than the bucket's (``registry.by_rows``: measured to save more than an
         exact-size call costs on the host). Never under sequence parallelism, whose ranks must run the same
         graphs."""
-        if self.config.sequence_parallel is not None:
+        if self.config.sequence_parallel is not None or not self._one_segment_groups:
             return False
         values = self._exact_values(bucket, plan)
-        for site in self.spec.sites:
-            name = self.encoder.kernels.get(site.group)
-            group = self.spec.groups[site.group]
-            if name is None or evaluate(group.segments, values, "a group's segment count") != 1:
+        for group, (name, site_rows) in self._one_segment_groups.items():
+            if evaluate(self.spec.groups[group].segments, values, "a group's segment count") != 1:
                 continue
-            rows = evaluate(site.rows, values, "an attention site's rows")
-            bucket_rows = evaluate(site.rows, bucket.shape.values, "an attention site's rows")
-            if registry.pick(name, rows, 1) != registry.pick(name, bucket_rows, bucket.shape.segments[site.group]):
+            rows = evaluate(site_rows, values, "an attention site's rows")
+            bucket_rows = evaluate(site_rows, bucket.shape.values, "an attention site's rows")
+            if registry.pick(name, rows, 1) != registry.pick(name, bucket_rows, bucket.shape.segments[group]):
                 return True
         return False
+
+    @functools.cached_property
+    def _one_segment_groups(self) -> dict[int, tuple[str, sympy.Expr]]:
+        """Attention group -> (its kernels, its sites' rows), for the groups whose kernels give calls of one segment
+        kernels of their own (the build's choice, fixed once the encoder is built)."""
+        groups = {}
+        for site in self.spec.sites:
+            name = self.encoder.kernels.get(site.group)
+            if name is not None and registry.has_one_segment_entries(name):
+                groups.setdefault(site.group, (name, site.rows))
+        return groups
 
     def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
