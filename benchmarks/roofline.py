@@ -252,7 +252,7 @@ def measure(stock: Callable, vgraph: Callable, served, flops: FlopSplit, field: 
 
 
 def profile_split(breakdown: dict[str, Any]) -> dict[str, Any]:
-    """A ``kernel_breakdown`` as device ms in attention, GEMMs and the rest, with its top kernels."""
+    """A ``kernel_breakdown`` as device ms in attention, GEMMs and the rest, with its top kernels and the rest's."""
     kinds, total = breakdown["by_kind_ms"], breakdown["device_ms_total"]
     attention, gemm = kinds.get("attention", 0.0), kinds.get("gemm", 0.0)
     return {
@@ -261,13 +261,14 @@ def profile_split(breakdown: dict[str, Any]) -> dict[str, Any]:
         "rest_ms": round(total - attention - gemm, 3),
         "total_ms": round(total, 3),
         "top": breakdown["top"][:8],
+        "rest_top": [kernel for kernel in breakdown["top"] if kernel["kind"] not in ("attention", "gemm")][:12],
     }
 
 
 def profile_pair(stock: Callable, vgraph: Callable, device: str) -> dict[str, Any]:
     """Stock and vgraph on one case (both already warm), one profiled call each."""
     return {
-        system: profile_split(kernel_breakdown(fn, device=device))
+        system: profile_split(kernel_breakdown(fn, top=60, device=device))
         for system, fn in (("stock", stock), ("vgraph", vgraph))
     }
 

@@ -91,15 +91,21 @@ def test_mix_totals_sum_the_requests_and_list_those_below_stock(script):
     assert script.slower(tower) == ["1x1792^2: 0.9x (stock)", "mix request 1 (100 patches): 0.8x (exact size)"]
 
 
-def test_profile_split_is_attention_gemm_and_the_rest_of_the_total(script):
+def test_profile_split_is_attention_gemm_and_the_rest_of_the_total_with_the_rests_kernels(script):
     breakdown = {
         "device_ms_total": 10.0,
         "by_kind_ms": {"attention": 4.0, "gemm": 3.5, "triton (inductor fused)": 2.0, "other": 0.5},
-        "top": [{"kernel": "flash_fwd", "ms": 4.0, "calls": 32}],
+        "top": [
+            {"kernel": "flash_fwd", "kind": "attention", "ms": 4.0, "calls": 32},
+            {"kernel": "nvjet_sm90", "kind": "gemm", "ms": 3.5, "calls": 96},
+            {"kernel": "triton_poi_fused_gelu", "kind": "triton (inductor fused)", "ms": 2.0, "calls": 32},
+            {"kernel": "elementwise_kernel", "kind": "other", "ms": 0.5, "calls": 1},
+        ],
     }
     split = script.profile_split(breakdown)
     assert (split["attention_ms"], split["gemm_ms"], split["rest_ms"], split["total_ms"]) == (4.0, 3.5, 2.5, 10.0)
     assert split["top"] == breakdown["top"]
+    assert [kernel["kernel"] for kernel in split["rest_top"]] == ["triton_poi_fused_gelu", "elementwise_kernel"]
 
 
 def test_a_run_told_another_install_stops_before_building_anything(script, monkeypatch):

@@ -117,3 +117,33 @@ def test_a_compile_that_leaves_no_bucket_is_refused_naming_the_guards():
         guard = r"Eq\((1, window_index\.shape\[0\]|window_index\.shape\[0\], 1)\)"  # sympy orders the two sides
         assert re.search(rf"budget {budget}: the compiled code assumes {guard} \(from ", message), message
     assert "trace on a call with more than one of it (items, merge units, windows)" in message
+
+
+@pytest.mark.parametrize(
+    "hint, columns, persistent",
+    [
+        ("INNER", 1152, True),
+        ("INNER", 2048, True),
+        ("INNER", 2049, False),
+        ("INNER", 512, True),
+        ("OUTER", 1152, False),
+    ],
+)
+def test_row_reductions_up_to_2048_columns_are_persistent_during_the_compile_only(hint, columns, persistent):
+    """A norm over a ViT's 1152-1536 wide rows reads each row once (inductor's own limit is 1024); other reductions
+    keep inductor's choice; the user's handler is back after the compile."""
+    from types import SimpleNamespace
+
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    from vgraph_compile.compile.inductor import _inductor_heuristics
+
+    features = SimpleNamespace(
+        get_reduction_hint=lambda: getattr(ReductionHint, hint), reduction_numel=sympy.Integer(columns), numel=1
+    )
+    before = V.choices
+    with V.set_graph_handler(SimpleNamespace(sizevars=SizeVarAllocator())), _inductor_heuristics():
+        assert V.choices.should_use_persistent_reduction(features, cooperative_reduction=False) is persistent
+    assert V.choices is before

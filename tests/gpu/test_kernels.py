@@ -149,3 +149,30 @@ def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "second.pt")], env=env, check=True, timeout=600)
     assert files() == written  # nothing compiled and written again
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 4096, 9216])
+def test_linear_gelu_epilogue_matches_the_unfused_layer(dtype, rows):
+    """``vgraph::linear_gelu_tanh`` on CUDA (cuBLASLt's GELU epilogue) at Qwen3-VL's MLP widths (1152 -> 4304):
+    within one rounding of the output dtype of the float64 layer, as the unfused layer is; its fake kernel holds
+    (``torch.library.opcheck``)."""
+    from torch.library import opcheck
+
+    from vgraph_compile.kernels.gemm_epilogues import LINEAR_GELU_TANH
+
+    generator = torch.Generator().manual_seed(rows)
+    x, weight, bias = (
+        (torch.randn(*shape, generator=generator) * scale).to(CUDA, dtype)
+        for shape, scale in (((rows, 1152), 1.0), ((4304, 1152), 1152**-0.5), ((4304,), 1.0))
+    )
+    exact = torch.nn.functional.gelu(
+        torch.nn.functional.linear(x.double(), weight.double(), bias.double()), approximate="tanh"
+    )
+    unfused = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
+    fused = LINEAR_GELU_TANH(x, weight, bias)
+    tolerance = BF16_TOLERANCE if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fused.double(), exact, **tolerance)
+    fused_error, unfused_error = ((out.double() - exact).abs().max().item() for out in (fused, unfused))
+    assert fused_error <= unfused_error * 1.5 + 1e-6
+    opcheck(LINEAR_GELU_TANH.default, (x[:64], weight, bias))

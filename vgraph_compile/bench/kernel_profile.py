@@ -30,7 +30,7 @@ def kind_of(kernel: str) -> str:
 def kernel_breakdown(fn: Callable[[], object], calls: int = 1, top: int = 15, device: str = "cuda") -> dict:
     """``calls`` calls of ``fn`` under the profiler (CUDA kernels only; on a CPU ``device``, the aten ops' own CPU
     time): device ms per call in total, and per kind its ms and launches per call, and the ``top`` kernels by
-    device time (ms per call, launches per call)."""
+    device time (ms per call, its kind, launches per call)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -59,5 +59,8 @@ def kernel_breakdown(fn: Callable[[], object], calls: int = 1, top: int = 15, de
         "device_ms_total": round(sum(ms for _, ms, _ in kernels), 3),
         "by_kind_ms": {kind: round(ms, 3) for kind, ms in sorted(kinds.items(), key=lambda item: -item[1])},
         "by_kind_calls": launches,
-        "top": [{"kernel": name[:160], "ms": round(ms, 3), "calls": count} for name, ms, count in kernels[:top]],
+        "top": [
+            {"kernel": name[:160], "kind": kind_of(name), "ms": round(ms, 3), "calls": count}
+            for name, ms, count in kernels[:top]
+        ],
     }

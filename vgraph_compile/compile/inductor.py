@@ -9,7 +9,9 @@ each added guard is checked at every bucket's sizes, in the trace's symbols (not
 make a pin's own guard trivially true), and a bucket where one fails is dropped with a warning rather than served
 by code that assumed otherwise. A compile that leaves no bucket raises ``BudgetRefused`` naming each budget's
 failed guards, inside the call that traced (never an encoder with nothing to serve). ``shape_padding`` is off: its
-guards split the budget range, and ``rewrite/align_matmuls`` pads the widths that need it instead.
+guards split the budget range, and ``rewrite/align_matmuls`` pads the widths that need it instead. Row reductions
+up to ``PERSISTENT_ROW_WIDTH`` columns are persistent (a norm reads its row once), through inductor's own
+heuristics handler, for this compile only.
 
 Each class of identical repeated blocks (a ViT's 24-32 blocks) is lowered once and called per block
 (``compile/repeated_blocks``, ``compile_blocks_once``); the artifact key is taken on the graph before that
@@ -23,9 +25,11 @@ buffers are), parameters at their aligned shapes (``align_matmuls``), sizes as t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import sympy
 import torch
@@ -110,6 +114,56 @@ def _fake_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> list[Any]:
 
 _INDUCTOR_OPTIONS = {"shape_padding": False, "triton.cudagraphs": False}
 
+PERSISTENT_ROW_WIDTH = 2048
+"""Row reductions over at most this many columns run as persistent Triton kernels, each row read once. Inductor's
+own limit is 1024: past it, a norm over a ViT's 1152-1536 wide rows (Qwen3-VL, Qwen2-VL, GLM-4.1V) loops over the
+row twice, once for its statistics and once to normalize; on an H200 those norm kernels ran at about 40% of the
+memory bandwidth (``benchmarks/results/roofline_h200_cuda.json``, the profiles' ``triton_red_fused_*layer_norm``)."""
+
+
+def _row_reduction_choices():
+    """Inductor's heuristics (``InductorChoices``) with persistent row reductions up to ``PERSISTENT_ROW_WIDTH``
+    columns; a module-level factory, so inductor's cache key names it (``inductor_choices_class``)."""
+    return _persistent_rows_class()()
+
+
+@functools.cache
+def _persistent_rows_class():
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class PersistentRows(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            return (
+                torch._inductor.config.triton.persistent_reductions
+                and not cooperative_reduction
+                and features.get_reduction_hint() == ReductionHint.INNER
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROW_WIDTH)
+            )
+
+        def uuid(self) -> str:
+            return f"vgraph persistent rows <= {PERSISTENT_ROW_WIDTH}"
+
+    return PersistentRows
+
+
+@contextlib.contextmanager
+def _inductor_heuristics() -> Iterator[None]:
+    """Inductor's options for one compile, and ``_row_reduction_choices`` as its heuristics: set as this thread's
+    handler for the compile only (the user's other compiles keep theirs), and named in the cache key where this
+    torch has ``inductor_choices_class``."""
+    from torch._inductor.virtualized import V
+
+    options = dict(_INDUCTOR_OPTIONS)
+    if hasattr(torch._inductor.config, "inductor_choices_class"):
+        options["inductor_choices_class"] = _row_reduction_choices
+    with torch._inductor.config.patch(options), V.set_choices_handler(_row_reduction_choices()):
+        yield
+
 
 def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, Any]:
     """The compiled graph, and its saveable ``CompiledArtifact`` (None where this torch has none). With
@@ -118,7 +172,7 @@ def _inductor(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[CompiledFn, A
 
     if ctx.config.compile_blocks_once:
         gm = repeated_blocks.run(gm)
-    with torch._inductor.config.patch(_INDUCTOR_OPTIONS), torch.no_grad():
+    with _inductor_heuristics(), torch.no_grad():
         if artifacts.available():
             compiled = torch._inductor.standalone_compile(
                 gm, _fake_inputs(gm, ctx), dynamic_shapes="from_tracing_context", options={}

@@ -9,5 +9,7 @@ Order, and why (from the bottom up):
    over a sequence-parallel process group.
 3. ``registry``: every kernel by its name (written once), what it needs and what it supports.
 4. ``ops``: the ``torch.library`` custom ops that dispatch to a kernel by name.
+Beside them, ``gemm_epilogues``: ``vgraph::linear_gelu_tanh``, a linear with its tanh GELU in the GEMM's epilogue
+(``rewrite/gelu_epilogues``).
 Optional packages are imported when their kernel is chosen, never at import.
 """

@@ -17,8 +17,10 @@ Order of the passes, and why:
    process group; after ``select_kernel`` (it replaces a packed kernel there), before ``lower_qkv_offsets``.
 5. ``lower_qkv_offsets`` (both copies): after the kernel is known, builds Q/K/O|V offsets for the sites whose kernel
    reads them.
-6. ``align_matmuls`` (the compiled copy only): pads misaligned matmul widths; last, since it changes parameter
-   shapes that only the build binds.
+6. ``align_matmuls`` (the compiled copy only): pads misaligned matmul widths; it changes parameter shapes that only
+   the build binds.
+7. ``gelu_epilogues`` (the compiled copy only, on CUDA): a linear and its tanh GELU become one GEMM with the GELU
+   in its epilogue; after ``align_matmuls``, which must see the linear to pad its width.
 No pass specializes sizes: the compiled graph stays symbolic and every bucket runs it at its own sizes.
 """
 
@@ -35,6 +37,7 @@ from vgraph_compile.rewrite import (
     align_matmuls,
     drop_true_masks,
     fold_scalars,
+    gelu_epilogues,
     kernel_choice,
     lower_qkv_offsets,
     patch_matmuls,
@@ -54,7 +57,10 @@ REWRITES: tuple[tuple[str, Pass], ...] = (
     ("lower_qkv_offsets", lower_qkv_offsets.run),
 )
 """Rewrites of every copy that runs: the eager fallback and the compiled graph."""
-COMPILE_REWRITES: tuple[tuple[str, Pass], ...] = (("align_matmuls", align_matmuls.run),)
+COMPILE_REWRITES: tuple[tuple[str, Pass], ...] = (
+    ("align_matmuls", align_matmuls.run),
+    ("gelu_epilogues", gelu_epilogues.run),
+)
 """Rewrites of the compiled graph only."""
 
 
