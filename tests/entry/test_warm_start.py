@@ -197,3 +197,19 @@ def test_torch_compile_serves_a_trace_built_before_from_its_graph_plan(tmp_path)
         serve()
     with counters.expect(traces=1, plans_loaded=1, buckets_built=2, replays=3):
         serve()
+
+
+def test_a_plan_made_before_a_kernel_package_was_installed_is_not_the_plan_after(tmp_path, monkeypatch):
+    """The plan's key holds the optional kernel packages' versions: a plan whose kernels were chosen without
+    flash-attn-4 (the plain install) is not loaded once it is installed (the GPU install)."""
+    from vgraph_compile.config import VGraphConfig
+    from vgraph_compile.entry import warm_start
+    from vgraph_compile.kernels import registry
+
+    model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).eval()
+    config = VGraphConfig(**OPTIONS, artifact_dir=str(tmp_path))
+    args = pack_images([5, 7], 12)
+    plain = warm_start.plan_key(model, config, args, {})
+    installed = {**registry.installed_packages(), "flash-attn-4": "4.0.0b36"}
+    monkeypatch.setattr(registry, "installed_packages", lambda: installed)
+    assert warm_start.plan_key(model, config, args, {}) != plain

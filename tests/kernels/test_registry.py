@@ -75,3 +75,14 @@ def test_head_dims_refuse_wider_heads_and_packed_kernels():
         backend.padded_head_dim(256)
     with pytest.raises(ValueError, match="packed kernel cannot declare head_dims"):
         registry.AttentionBackend("p", lambda d, t: True, qkv_offsets=True, head_dims=(64,))
+
+
+def test_installed_packages_name_every_optional_kernel_package_with_its_version_or_none(monkeypatch):
+    """A saved plan's key holds these, so installing a kernel package changes it."""
+    from importlib import metadata
+
+    packages = {backend.package[1] for backend in registry.BACKENDS.values() if backend.package is not None}
+    assert set(registry.installed_packages()) == packages and "flash-attn-4" in packages
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "4.0.0" if name == "flash-attn-4" else real(name))
+    assert registry.installed_packages()["flash-attn-4"] == "4.0.0"

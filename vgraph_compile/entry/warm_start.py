@@ -13,15 +13,16 @@ Key (``plan_key``): everything that changes what the trace and the build make, o
 module tree (each module's class, the source file of every class, its plain attributes and config, each
 parameter's and buffer's name, shape, strides, dtype, device and requires_grad), the first call's structure
 (each tensor's dtype, device, rank and trailing dims; every other value but ints, which may be sizes), grad mode,
-the config (all but ``artifact_dir``), dynamo's and inductor's configs, the torch version, the vgraph sources and
-the device. Never the weights: the plan binds the live module's tensors. A plan that cannot be loaded, or whose
+the config (all but ``artifact_dir``), dynamo's and inductor's configs, the torch version, the optional kernel
+packages' versions (a plan chosen among the plain install's kernels is not loaded after the GPU install), the vgraph
+sources and the device. Never the weights: the plan binds the live module's tensors. A plan that cannot be loaded, or whose
 compiled artifact or module state is gone, is logged, removed and built again by tracing; never used.
 
 Through ``torch.compile(backend="vgraph")`` dynamo traces before it calls any backend, so a later process cannot
 skip that trace; the backend skips the rest. Each build also saves a ``GraphPlan`` (the spec and the build's
 record) under ``graph_key``: the hash of the traced graph's code and inputs (dtype, shape in the trace's symbols,
 strides, device), the analyses, the config, grad mode, dynamo's and inductor's configs, the torch version, the
-vgraph sources and the device. A later backend call on the same trace serves from it with no analyses, no
+optional kernel packages' versions, the vgraph sources and the device. A later backend call on the same trace serves from it with no analyses, no
 rewrites and no compile, binding the parameters dynamo passes.
 """
 
@@ -46,6 +47,7 @@ from vgraph_compile.compile.assemble import BuildRecord
 from vgraph_compile.compile.inductor import CompiledFn, load_compiled
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.counters import counters
+from vgraph_compile.kernels import registry
 from vgraph_compile.serve.arguments import CallArguments, OutputLayout
 from vgraph_compile.serve.runtime import VGraphRuntime
 from vgraph_compile.spec import PassContext, VarlenSpec
@@ -141,14 +143,15 @@ def _call(value: Any) -> Any:
 
 
 def _environment(config: VGraphConfig, device: torch.device) -> dict[str, Any]:
-    """What both keys hash besides the encoder and its call: the config, grad mode, torch's configs, versions and
-    the device."""
+    """What both keys hash besides the encoder and its call: the config, grad mode, torch's configs, the versions of
+    torch and of the optional kernel packages, and the device."""
     return {
         "grad": torch.is_grad_enabled(),
         "config": repr(dataclasses.replace(config, artifact_dir=None)),
         "dynamo": artifacts.settings(torch._dynamo.config),
         "inductor": artifacts.settings(torch._inductor.config),
         "torch": torch.__version__,
+        "kernels": registry.installed_packages(),
         "vgraph": artifacts.sources_hash(),
         "device": artifacts.device_name(device),
     }

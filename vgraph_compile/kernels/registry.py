@@ -106,6 +106,22 @@ class AttentionBackend:
             prepare(device)
 
 
+def installed_packages() -> dict[str, str | None]:
+    """The version of every optional kernel package (pip name -> version, None where absent), read from the
+    installed distributions without importing them: what ``attention_backend="auto"`` can choose from, so a saved
+    plan made before the GPU install is not loaded after it (``entry/warm_start``)."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for backend in BACKENDS.values():
+        if backend.package is not None:
+            try:
+                versions[backend.package[1]] = metadata.version(backend.package[1])
+            except metadata.PackageNotFoundError:
+                versions[backend.package[1]] = None
+    return versions
+
+
 def _installed(module: str) -> bool:
     """Whether ``module`` (dotted names too) can be imported, without importing it."""
     try:
