@@ -137,7 +137,8 @@ def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
         "out = varlen_attention(q, k, v, cu_seqlens([300, 400], 'cuda'), 400, backend='fa4')\n"
         "torch.save(out.cpu(), sys.argv[1])\n"
     )
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    inherited = {name: value for name, value in os.environ.items() if not name.startswith("FLASH_ATTENTION_CUTE_DSL")}
+    env = {**inherited, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # not this process's FA4 cache
     cached = tmp_path / "inductor" / "flash_attention_cute_dsl"
 
     def files():
@@ -151,11 +152,12 @@ def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 4096, 9216])
 def test_linear_gelu_epilogue_matches_the_unfused_layer(dtype, rows):
-    """``vgraph::linear_gelu_tanh`` on CUDA (cuBLASLt's GELU epilogue) at Qwen3-VL's MLP widths (1152 -> 4304):
-    within one rounding of the output dtype of the float64 layer, as the unfused layer is; its fake kernel holds
+    """``vgraph::linear_gelu_tanh`` on CUDA (cuBLASLt's GELU epilogue) in the half precisions the rewrite uses it
+    in, at Qwen3-VL's MLP widths (1152 -> 4304): no farther from the float64 layer than the unfused layer is, or
+    than one rounding of the largest output; its fake kernel holds
     (``torch.library.opcheck``)."""
     from torch.library import opcheck
 
@@ -171,8 +173,7 @@ def test_linear_gelu_epilogue_matches_the_unfused_layer(dtype, rows):
     )
     unfused = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
     fused = LINEAR_GELU_TANH(x, weight, bias)
-    tolerance = BF16_TOLERANCE if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(fused.double(), exact, **tolerance)
+    torch.testing.assert_close(fused.double(), exact, **BF16_TOLERANCE)
     fused_error, unfused_error = ((out.double() - exact).abs().max().item() for out in (fused, unfused))
-    assert fused_error <= unfused_error * 1.5 + 1e-6
+    assert fused_error <= max(unfused_error, torch.finfo(dtype).eps * exact.abs().max().item())
     opcheck(LINEAR_GELU_TANH.default, (x[:64], weight, bias))

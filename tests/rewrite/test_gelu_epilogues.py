@@ -1,7 +1,7 @@
-"""``gelu_epilogues``: on CUDA, each linear whose only user is its tanh GELU becomes one ``linear_gelu_tanh`` with
-the traced values at every row count; the exact GELU, a linear read twice, a bias-less linear and any other device
-are left as they are. The pass is exercised on CPU tensors with a CUDA pass context (the op's CPU path is the
-unfused layer); the CUDA epilogue's values are in ``tests/gpu/test_kernels.py``."""
+"""``gelu_epilogues``: on CUDA, in bf16, each linear whose only user is its tanh GELU becomes one
+``linear_gelu_tanh`` with the traced values at every row count; the exact GELU, a linear read twice, a bias-less
+linear, float32 and any other device are left as they are. The pass is exercised on CPU tensors with a CUDA pass
+context (the op's CPU path is the unfused layer); the CUDA epilogue's values are in ``tests/gpu/test_kernels.py``."""
 
 import dataclasses
 
@@ -35,11 +35,11 @@ class _Mlp(torch.nn.Module):
         return mlp, exact + no_bias + both
 
 
-def _rewritten(device_type: str):
+def _rewritten(device_type: str, dtype=torch.bfloat16):
     torch.manual_seed(0)
-    module = _Mlp().eval()
+    module = _Mlp().to(dtype).eval()
     with torch.no_grad():
-        gm, ctx = trace(module, torch.randn(5, 16))
+        gm, ctx = trace(module, torch.randn(5, 16, dtype=dtype))
     ctx = dataclasses.replace(ctx, device=torch.device(device_type))
     return module, apply_pass("gelu_epilogues", gelu_epilogues.run, gm, ctx), ctx
 
@@ -50,7 +50,7 @@ def test_only_the_mlps_linear_and_gelu_fuse_and_the_values_are_the_traced_ones_a
     assert op_count(gm, torch._C._nn.gelu) == 3
     with torch.no_grad():
         for rows in (1, 3, 17):
-            x = torch.randn(rows, 16)
+            x = torch.randn(rows, 16, dtype=torch.bfloat16)
             inputs = [
                 rows if not isinstance(value, torch.Tensor) else value if isinstance(value, torch.nn.Parameter) else x
                 for value in ctx.example_inputs
@@ -59,8 +59,10 @@ def test_only_the_mlps_linear_and_gelu_fuse_and_the_values_are_the_traced_ones_a
                 torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device_type", ["cpu", "meta"])
-def test_off_cuda_nothing_changes(device_type):
-    _, gm, _ = _rewritten(device_type)
+@pytest.mark.parametrize(
+    "device_type, dtype", [("cpu", torch.bfloat16), ("meta", torch.bfloat16), ("cuda", torch.float32)]
+)
+def test_off_cuda_or_in_float32_nothing_changes(device_type, dtype):
+    _, gm, _ = _rewritten(device_type, dtype)
     assert op_count(gm, LINEAR_GELU_TANH.default) == 0
     assert op_count(gm, torch._C._nn.gelu) == 4

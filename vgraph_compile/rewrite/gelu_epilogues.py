@@ -6,10 +6,12 @@ it costs; this pass puts it where the graph has the pattern.
 
 Cases handled (legality, ``linear_gelu``): ``gelu(linear(x, W, b), approximate="tanh")`` (``F.gelu`` or
 ``torch._C._nn.gelu``, the approximation positional or keyword) where the linear has a bias, a 2-D weight and no
-other user. The exact GELU (``approximate="none"``), quick GELU and gated MLPs are left to inductor: cuBLASLt's
-epilogue is the tanh GELU only. Profitability: on CUDA, where the epilogue exists (the op's CPU path is the
-unfused layer, correct but no faster). It runs on the compiled copy after ``align_matmuls``, whose padded widths it
-keeps (the GELU of a padded column is ``gelu(0) = 0``, as before).
+other user, in fp16 or bf16. The exact GELU (``approximate="none"``), quick GELU and gated MLPs are left to
+inductor: cuBLASLt's epilogue is the tanh GELU only. float32 is left too: on an H200 the epilogue's float32 output
+at 1 and 7 rows missed the unfused layer's float32 error, which half precision's coarser rounding hides.
+Profitability: on CUDA, where the epilogue exists (the op's CPU path is the unfused layer, correct but no faster).
+It runs on the compiled copy after ``align_matmuls``, whose padded widths it keeps (the GELU of a padded column is
+``gelu(0) = 0``, as before).
 
 Before/After (Qwen3-VL's MLP)::
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _LINEAR = {torch._C._nn.linear, F.linear}
 _GELU = {torch._C._nn.gelu, F.gelu}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _tanh_gelu(node: torch.fx.Node) -> bool:
@@ -58,7 +61,8 @@ def linear_gelu(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torc
     x, weight, bias = arguments.get("input"), arguments.get("weight"), arguments.get("bias")
     if not all(isinstance(value, torch.fx.Node) for value in (x, weight, bias)):
         return None
-    if not isinstance(example_value(weight), torch.Tensor) or example_value(weight).dim() != 2:
+    weight_value = example_value(weight)
+    if not isinstance(weight_value, torch.Tensor) or weight_value.dim() != 2 or weight_value.dtype not in _HALF:
         return None
     return x, weight, bias
 
