@@ -58,7 +58,7 @@ def _refused(name, tower):
 
 
 @pytest.mark.parametrize(
-    "name", sorted(set(vision_utils_families()) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED))
+    "name", sorted(set(vision_utils_families()) - set(test_block_graphs.SERVED))
 )
 def test_served_equal_to_eager_or_refused(name):
     """Two calls on one trace: an image, a video (a frame-per-row image on image-only towers) and a

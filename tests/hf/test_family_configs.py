@@ -22,7 +22,7 @@ from tests.hf.test_families import REFUSED
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
 SERVED = sorted(
-    set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED)
+    set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED)
 )
 """The families served by the whole-tower graph; the block-graph tier's are tested on one tiny config each in
 ``test_block_graphs`` (drawing their configs is not built: ``check_served`` reads the whole-tower encoder)."""
