@@ -140,3 +140,29 @@ def test_signature_keys_small_integer_tensors_by_value():
     assert call_signature((pixels, torch.tensor([(1, 4, 2)])), {}) != key
     assert call_signature((torch.randn(9, 3), torch.tensor([(1, 2, 4)])), {}) != key
     assert call_signature((pixels, torch.tensor([(1, 2, 4)])), {"return_dict": False}) != key
+
+
+FIXED_TILES = {"step3p7": r"the tile graph: .*produces a data-dependent value"}
+"""Fixed-tile families whose tile graph is refused at its first trace, served by the exact-size code, with the
+reason the tier names."""
+
+
+@pytest.mark.parametrize("name", sorted(FIXED_TILES))
+def test_fixed_tile_tower_whose_trace_is_refused_is_served_equal_to_stock(name):
+    """One tile, three, then one again: the first call's trace is refused, and every call (that one included) runs
+    the compiled code, equal to the stock tower; a tile of another size is a ValueError before anything runs."""
+    tower = build_tower(name, tiny=True, image_size=56)
+    served = compile_vision_tower(tower, compiler="eager", call_choice="exact_size")
+    size = tower.config.image_size
+    for tiles in (1, 3, 1):
+        pixel_values = torch.randn(tiles, tower.config.num_channels, size, size)
+        with torch.no_grad(), counters.expect(exact_size_calls=1):
+            out = served(pixel_values)
+        with torch.no_grad():
+            ref = tower(pixel_values)
+        assert not out.last_hidden_state.isnan().any()
+        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    assert re.search(FIXED_TILES[name], _exact(served).tier_reason)
+    assert served.stats_table().startswith("tier: exact-size code")
+    with torch.no_grad(), counters.expect(), pytest.raises(ValueError, match=r"pixel_values must be \[tiles, 3, 56"):
+        served(torch.randn(1, tower.config.num_channels, size, size + 14))

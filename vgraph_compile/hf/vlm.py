@@ -32,10 +32,14 @@ log = logging.getLogger(__name__)
 CompiledTower = CompiledVisionTower | CompiledTileTower | CompiledBlockTower | CompiledExactSizeTower
 _COMPILED = (CompiledVisionTower, CompiledTileTower, CompiledBlockTower, CompiledExactSizeTower)
 
-_BLOCK_OPTIONS_UNUSED = ("max_items", "max_frames", "parallel", "sequence_cost", "process_group", "max_signatures")
+_WHOLE_TOWER_OPTIONS = (
+    "max_items", "max_frames", "exact_items", "item_growth", "parallel", "sequence_cost", "process_group",
+    "max_signatures",
+)
 """Options the block graphs and the exact-size code do not read: the whole-tower graph's that bound or split its
-graph calls or spread them over a process group (the block graphs bound one call by ``token_budgets`` and
-``max_segments`` and take the glue's own packing), and the exact-size code's ``max_signatures``."""
+graph calls, size its tile buckets or spread them over a process group (the block graphs bound one call by
+``token_budgets`` and ``max_segments`` and take the glue's own packing), and the exact-size code's
+``max_signatures``, passed to it alone."""
 
 
 def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTower:
@@ -67,7 +71,8 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
             log.info("%s: served by the whole-tower graph", name)
             return served
     elif is_tile_tower(tower):
-        return compile_tile_tower(tower, **_tier_options(options))
+        exact_size = _exact_size(tower, options, "the tile graph")
+        return compile_tile_tower(tower, trace_refused=exact_size, **_tier_options(options))
     else:
         reason = (
             "its forward takes neither a grid (grid_thw, image_grid_thw...) of packed variable-size images nor "
@@ -95,31 +100,52 @@ def _block_graphs(tower: torch.nn.Module, options: dict[str, Any]) -> Callable[[
     """Block graphs for ``tower``, made when the whole-tower graph gives the reason it cannot serve; the
     exact-size code once they give theirs."""
     name = type(tower).__name__
-    lower = {key: value for key, value in options.items() if key not in _BLOCK_OPTIONS_UNUSED}
-
-    def exact_size(reason: str) -> CompiledExactSizeTower:
-        log.info("%s: served by the exact-size code: block graphs cannot serve it: %s", name, reason)
-        signatures = {"max_signatures": options["max_signatures"]} if "max_signatures" in options else {}
-        return compile_exact_size_tower(tower, reason, **lower, **signatures)
+    exact_size = _exact_size(tower, options, "block graphs")
 
     def blocks(reason: str) -> CompiledBlockTower:
         log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
-        return compile_block_tower(tower, reason, blocks_refused=exact_size, **lower)
+        return compile_block_tower(tower, reason, blocks_refused=exact_size, **_lower_options(options))
 
     return blocks
 
 
+def _exact_size(
+    tower: torch.nn.Module, options: dict[str, Any], refused_by: str
+) -> Callable[[str], CompiledExactSizeTower]:
+    """The exact-size code for ``tower``, made when the tier above it (``refused_by``) gives its reason."""
+    signatures = {"max_signatures": options["max_signatures"]} if "max_signatures" in options else {}
+
+    def exact_size(reason: str) -> CompiledExactSizeTower:
+        log.info("%s: served by the exact-size code: %s cannot serve it: %s", type(tower).__name__, refused_by, reason)
+        return compile_exact_size_tower(tower, f"{refused_by}: {reason}", **_lower_options(options), **signatures)
+
+    return exact_size
+
+
+def _lower_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options the block graphs and the exact-size code take (VGraphConfig fields and token budgets)."""
+    return {key: value for key, value in options.items() if key not in _WHOLE_TOWER_OPTIONS}
+
+
 def _is_tower(module: torch.nn.Module, vision_config: Any) -> bool:
+    """A compiled tower; a packed or fixed-tile tower whose config is ``vision_config`` (any, when None); or a
+    transformers model whose config is ``vision_config``, whatever its forward takes (MiniCPM-V's tower takes
+    ``target_sizes``: block graphs or the exact-size code serve it)."""
     if isinstance(module, _COMPILED):
         return True
-    config_matches = vision_config is None or getattr(module, "config", None) is vision_config
-    return config_matches and (is_packed_tower(module) or is_tile_tower(module))
+    if vision_config is None:
+        return is_packed_tower(module) or is_tile_tower(module)
+    if getattr(module, "config", None) is not vision_config:
+        return False
+    from transformers import PreTrainedModel
+
+    return is_packed_tower(module) or is_tile_tower(module) or isinstance(module, PreTrainedModel)
 
 
 def find_vision_tower(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """(the module holding the vision tower, the attribute name): the shallowest submodule of ``model`` that is a
-    vision tower (a compiled one, or a packed or fixed-tile tower whose config is the model's ``vision_config``, when
-    the model has one)."""
+    vision tower (``_is_tower``: a compiled one; a packed or fixed-tile tower; where the model has a
+    ``vision_config``, only a module of that config, any transformers model of it)."""
     vision_config = getattr(getattr(model, "config", None), "vision_config", None)
     found = []
     for path, module in model.named_modules():
@@ -129,9 +155,10 @@ def find_vision_tower(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
             found.append(path)
     if not found:
         raise ValueError(
-            f"compile_vlm found no vision tower in {type(model).__name__}: no submodule takes packed patch rows with "
-            "a grid (grid_thw, image_grid_thw...) or pixel_values of one fixed image size. Compile its tower with vgraph_compile.hf.compile_vision_tower, or "
-            "its encoder with vgraph_compile.encoder"
+            f"compile_vlm found no vision tower in {type(model).__name__}: no submodule is a model of its "
+            "vision_config, takes packed patch rows with a grid (grid_thw, image_grid_thw...) or pixel_values of one "
+            "fixed image size. Compile its tower with vgraph_compile.hf.compile_vision_tower, or its encoder with "
+            "vgraph_compile.encoder"
         )
     path = min(found, key=lambda name: name.count("."))
     owner_path, _, attribute = path.rpartition(".")
