@@ -172,3 +172,20 @@ def test_a_bad_first_call_raises_the_stock_towers_error_not_a_refusal():
     with torch.no_grad():
         out = served(pixel_values, grid_thw, **kwargs)
     assert served.program is not None and not out.last_hidden_state.isnan().any()
+
+
+def test_served_over_a_process_group_each_rank_encoding_the_whole_call():
+    """A tower the whole-tower graph cannot serve, compiled with a ``process_group``: block graphs serve it (each
+    rank encodes every call whole, so the group is never used: a stand-in object suffices), one replay, equal to
+    the eager tower."""
+    tower = build_tower("cosmos3_edge", tiny=True)
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa",
+                                  process_group=object())  # fmt: skip
+    args, kwargs = tower_call("cosmos3_edge", tower, [(1, 8, 12)])
+    with torch.no_grad():
+        served(*args, **kwargs)  # records the program
+    blocks = served if isinstance(served, CompiledBlockTower) else served.replacement
+    out = _replayed(served, blocks, args, kwargs)
+    with torch.no_grad(), routed_attention(tower):
+        ref = tower(*args, **kwargs)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)

@@ -55,6 +55,8 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
        where that measured slower. Only a module with no transformers config is refused, at once.
 
     The tier and the reasons the better ones could not serve are logged once and shown in ``stats_table()``.
+    Over a ``process_group`` the whole-tower graph splits each call over the ranks; the lower tiers serve each
+    rank's call whole (every rank gets the same batch and returns the whole output, as over the group).
     ``options`` are those of the tier taken (token budgets and ``max_frames`` for packed towers, tile buckets for
     fixed-tile ones; ``max_items`` and VGraphConfig fields for both; the block graphs take ``token_budgets`` and
     VGraphConfig fields; the exact-size code reads ``compiler``, ``call_choice`` and ``max_signatures``).
@@ -84,10 +86,7 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
                 "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
             )
     if options.get("process_group") is not None:
-        raise ValueError(
-            f"{name} cannot be served over a process_group: the whole forward is not one graph ({reason}), and "
-            "block graphs serve one process. Pass process_group=None"
-        )
+        log.info("%s: each rank of the process_group encodes every call whole: block graphs serve one process", name)
     return _block_graphs(tower, options)(reason)
 
 
