@@ -60,6 +60,9 @@ class Counters:
     """Calls served by a bucket graph."""
     eager_fallbacks: int = 0
     """Calls that fit no bucket and ran the traced graph eagerly."""
+    exact_size_calls: int = 0
+    """Calls a tower's forward compiled at the call's exact sizes served (the tier of last resort:
+    ``hf/exact_size_tower``)."""
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -2,7 +2,8 @@
 written and their block stack replayed from one bucket graph per call: equal to the eager tower (same attention
 op, fp32) on packed calls of one image, several, and a video where the family takes videos; every call after the
 first replays (a fall back to eager fails the test); a NaN image stays in its rows; concurrent callers get their own
-rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``."""
+rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``; on their own,
+block graphs refuse a tower none of whose blocks can be one graph."""
 
 import re
 
@@ -12,6 +13,7 @@ import torch
 from tests.helpers import outputs_from_threads
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
+from vgraph_compile.hf.block_graphs import compile_block_tower
 from vgraph_compile.hf.block_program import BlocksRefused
 from vgraph_compile.sample_models.vision_utils_towers import build_tower, tower_call
 
@@ -33,10 +35,6 @@ SERVED = {
 }
 """Families the whole-tower graph refuses, served by block graphs, with the reason the tier names (muse's at its
 first call's trace: its attention reads max_seqlen with .item(), which the block program computes on the host)."""
-REFUSED = {
-    "lfm3_vl": r"reads a grid-derived tensor on the host .* every block of layers reads a host list \(grid_thw\)",
-}
-"""Families whose blocks are not one graph either, with the reasons (both tiers') the first call names."""
 MERGER_BETWEEN_BLOCKS = {name: dict(num_hidden_layers=3, insert_layer_id=1) for name in SERVED if "minicpm" in name}
 """Tower fields that put MiniCPM-V's merger (4x fewer rows) between blocks 1 and 2, as block 6 of 12 in the released
 towers: the glue reads block 1's output, so the program is two graphs."""
@@ -121,15 +119,17 @@ def test_concurrent_callers_get_their_own_rows():
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_refused_when_not_even_its_blocks_are_one_graph(name):
-    """A one-block lfm3_vl has only a convolution block, which loops over the grid list: the first call names both
-    tiers' reasons, and nothing replays."""
-    tower = build_tower(name, tiny=True)
-    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
-    args, kwargs = tower_call(name, tower, [(1, 4, 6)])
+def test_refused_without_a_tier_below_when_not_even_its_blocks_are_one_graph():
+    """Block graphs compiled on their own (no ``blocks_refused``) for a one-block lfm3_vl, whose only block is a
+    convolution that loops over the grid list: the first call names the reason given and the blocks', and nothing
+    replays (``compile_vision_tower`` hands such a tower to the exact-size code: ``test_exact_size_tower``)."""
+    tower = build_tower("lfm3_vl", tiny=True)
+    served = compile_block_tower(tower, "the reason given", token_budgets=[256], compiler="eager",
+                                 attention_backend="sdpa")  # fmt: skip
+    args, kwargs = tower_call("lfm3_vl", tower, [(1, 4, 6)])
+    refusal = r"the reason given\), and every block of layers reads a host list \(grid_thw\)"
     before = counters.snapshot()["replays"]
-    with torch.no_grad(), pytest.raises(ValueError, match=REFUSED[name]):
+    with torch.no_grad(), pytest.raises(BlocksRefused, match=refusal):
         served(*args, **kwargs)
     assert counters.snapshot()["replays"] == before
 
@@ -172,3 +172,20 @@ def test_a_bad_first_call_raises_the_stock_towers_error_not_a_refusal():
     with torch.no_grad():
         out = served(pixel_values, grid_thw, **kwargs)
     assert served.program is not None and not out.last_hidden_state.isnan().any()
+
+
+def test_served_over_a_process_group_each_rank_encoding_the_whole_call():
+    """A tower the whole-tower graph cannot serve, compiled with a ``process_group``: block graphs serve it (each
+    rank encodes every call whole, so the group is never used: a stand-in object suffices), one replay, equal to
+    the eager tower."""
+    tower = build_tower("cosmos3_edge", tiny=True)
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa",
+                                  process_group=object())  # fmt: skip
+    args, kwargs = tower_call("cosmos3_edge", tower, [(1, 8, 12)])
+    with torch.no_grad():
+        served(*args, **kwargs)  # records the program
+    blocks = served if isinstance(served, CompiledBlockTower) else served.replacement
+    out = _replayed(served, blocks, args, kwargs)
+    with torch.no_grad(), routed_attention(tower):
+        ref = tower(*args, **kwargs)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)

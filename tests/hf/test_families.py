@@ -1,24 +1,20 @@
 """Every transformers family whose vision tower uses ``transformers.vision_utils`` (found by reading the installed
 transformers), as a tiny random tower built from its own config class: served by bucket graphs and equal to the
 eager tower (same attention op, fp32 rel <= 1e-5) over an image, a video, a one-merge-unit image and a mixed,
-split call; a tower whose stock forward fails on videos is served on images and refuses a video per call; or the
-tower is refused with a ValueError naming its own reason, before anything is compiled."""
+split call; a tower whose stock forward fails on videos is served on images and refuses a video per call. The
+families served by a lower tier are tested with it."""
 
 import pytest
 import torch
 
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
-from vgraph_compile.hf.tiles import is_tile_tower
 from vgraph_compile.sample_models.vision_utils_towers import build_tower, vision_utils_families
-from tests.hf import test_block_graphs
+from tests.hf import test_block_graphs, test_exact_size_tower
 
-REFUSED = {
-    "step3p7": r"produces a data-dependent value",
-}
-"""Families refused today (docs/families.md), each with the reason its ValueError must name. The families the
-whole-tower graph refuses but block graphs serve, or whose blocks are refused too, are tested in
-``test_block_graphs``."""
+LOWER_TIERS = {*test_block_graphs.SERVED, *test_exact_size_tower.FIXED_TILES}
+"""Families the whole-tower graph refuses, served by block graphs (``test_block_graphs``) or by the exact-size code
+(``test_exact_size_tower``), and tested there."""
 IMAGES_ONLY = {"kimi_k25", "glm4v", "glm4v_moe", "glm_image"}
 """Families served on images whose stock tower fails on (or does not scale with) more than one frame (the GLM-4.1V
 towers index the grid per frame: their models pass videos one frame per grid row)."""
@@ -38,34 +34,11 @@ def _assert_same(out, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-def _refused(name, tower):
-    """Refused at compile, or at the trace of the first call (a packed call of one image, or three tiles for a tower
-    that takes fixed-size tiles), before any graph runs."""
-    m = 2
-    grid_thw = torch.tensor([(1, 4 * m, 6 * m)])
-    before = counters.snapshot()["replays"]
-    with pytest.raises(ValueError, match=REFUSED[name]):
-        if is_tile_tower(tower):
-            served = compile_vision_tower(tower, compiler="eager", attention_backend="sdpa")
-            size = tower.config.image_size
-            call = (torch.randn(3, tower.config.num_channels, size, size),)
-        else:
-            served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
-            call = (torch.randn(served.interface.pixel_values_shape(int(grid_thw.prod()))), grid_thw)
-        with torch.no_grad():
-            served(*call)
-    assert counters.snapshot()["replays"] == before
-
-
-@pytest.mark.parametrize(
-    "name", sorted(set(vision_utils_families()) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED))
-)
-def test_served_equal_to_eager_or_refused(name):
+@pytest.mark.parametrize("name", sorted(set(vision_utils_families()) - LOWER_TIERS))
+def test_served_equal_to_eager(name):
     """Two calls on one trace: an image, a video (a frame-per-row image on image-only towers) and a
     one-merge-unit image in one graph call; then five items, more than ``max_items``, split over graph calls."""
     tower = build_tower(name, tiny=True)
-    if name in REFUSED:
-        return _refused(name, tower)
     served = compile_vision_tower(tower, token_budgets=[256], max_items=3, compiler="eager", attention_backend="sdpa")
     assert (served.interface.video_failure is not None) == (name in IMAGES_ONLY)
     assert served.interface.grid_traced == (name in GRID_TRACED)

@@ -16,14 +16,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import THOROUGH
-from tests.hf import test_block_graphs
 from tests.hf.family_configs import REPORTED, check_served, serving_options, tiny_sizes, tower_sizes
-from tests.hf.test_families import REFUSED
+from tests.hf.test_families import LOWER_TIERS
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
-SERVED = sorted(
-    set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED)
-)
+SERVED = sorted(set(vision_utils_families()) - LOWER_TIERS)
 """The families served by the whole-tower graph; the block-graph tier's are tested on one tiny config each in
 ``test_block_graphs`` (drawing their configs is not built: ``check_served`` reads the whole-tower encoder)."""
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

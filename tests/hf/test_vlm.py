@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import THOROUGH
 from vgraph_compile.counters import counters
-from vgraph_compile.hf import CompiledVisionTower, compile_vlm
+from vgraph_compile.hf import CompiledBlockTower, CompiledVisionTower, compile_vlm, routed_attention
 from vgraph_compile.hf.vlm import find_vision_tower
 from vgraph_compile.sample_models import vision_utils_vlms
 from vgraph_compile.sample_models.qwen_vlms import (
@@ -135,3 +135,27 @@ def test_grad_enabled_forward_runs_the_stock_tower(served):
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="compile_vlm found no vision tower in Linear"):
         compile_vlm(torch.nn.Linear(2, 2))
+
+
+def test_tower_found_by_the_models_vision_config_whatever_its_forward_takes():
+    """MiniCPM-V 4.6: its tower takes ``target_sizes``, neither a grid nor fixed tiles; ``compile_vlm`` finds it as
+    the model of the VLM's ``vision_config`` and serves it by block graphs, equal to the stock tower."""
+    from transformers.models.minicpmv4_6 import configuration_minicpmv4_6, modeling_minicpmv4_6
+
+    from vgraph_compile.sample_models.vision_utils_towers import build_tower, tower_call
+
+    vision = build_tower("minicpmv4_6", tiny=True).config.to_dict()
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=600)  # fmt: skip
+    config = configuration_minicpmv4_6.MiniCPMV4_6Config(vision_config=vision, text_config=text)
+    model = modeling_minicpmv4_6.MiniCPMV4_6ForConditionalGeneration(config).eval()
+    tower = model.model.vision_tower
+    compile_vlm(model, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    served = model.model.vision_tower
+    assert isinstance(served, CompiledBlockTower) and served.tower is tower
+    args, kwargs = tower_call("minicpmv4_6", tower, [(1, 8, 12)])
+    with torch.no_grad():
+        out = served(*args, **kwargs)
+        with routed_attention(tower):
+            ref = tower(*args, **kwargs)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)

@@ -4,8 +4,9 @@ images with a grid (the ``transformers.vision_utils`` families: Qwen2-VL to Qwen
 dots3, Cohere Compass, Kimi K2.5...); fixed-tile towers take ``pixel_values[N, C, H, W]``. Nothing is per family:
 the tower's grid metadata, geometry and outputs are learned from the tower (``packed_tower``). Tiers: the
 whole-tower graph (``whole_tower``, ``tiles``; over a process group, ``parallel_tower``) where the whole forward is
-one graph, block graphs (``block_graphs``) where the forward does host work, and the stock tower, refused with a
-``ValueError`` naming the reason, only where not even its blocks can be one graph.
+one graph, block graphs (``block_graphs``) where the forward does host work, and the exact-size code
+(``exact_size_tower``) where not even its blocks can be one graph: the tower's forward compiled at each call's
+sizes, or the stock tower for the calls where that measured slower.
 
 ``tower = compile_vision_tower(model.visual, token_budgets=[...], max_items=8)`` then
 ``tower(pixel_values, grid_thw)`` returns what ``model.visual(pixel_values, grid_thw)`` returns (the tower's own
@@ -20,18 +21,20 @@ Order, and why (from the bottom up):
 2. The tiers: ``tower_call`` and ``whole_tower`` (tier 1: the whole forward one graph) with ``parallel_plan``,
    ``data_parallel``, ``sequence_parallel`` and ``parallel_tower`` (its modes over a process group); ``tiles`` (tier
    1 for fixed-tile towers); ``block_program`` and ``block_graphs`` (tier 2: the block stack as graphs, the glue as
-   written).
+   written); ``exact_size_tower`` (tier 3: the forward compiled per call signature, measured against stock).
 3. ``vlm``: ``compile_vision_tower`` picks the tier; ``compile_vlm`` finds the tower inside a VLM. ``server``:
    transformers' HTTP server with every VLM's tower compiled at load.
 """
 
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.block_graphs import CompiledBlockTower
+from vgraph_compile.hf.exact_size_tower import CompiledExactSizeTower
 from vgraph_compile.hf.tiles import CompiledTileTower
 from vgraph_compile.hf.whole_tower import CompiledVisionTower
 from vgraph_compile.hf.vlm import compile_vision_tower, compile_vlm
 
 __all__ = [
-    "CompiledBlockTower", "CompiledTileTower", "CompiledVisionTower", "compile_vision_tower", "compile_vlm",
+    "CompiledBlockTower", "CompiledExactSizeTower", "CompiledTileTower", "CompiledVisionTower", "compile_vision_tower",
+    "compile_vlm",
     "routed_attention",
 ]

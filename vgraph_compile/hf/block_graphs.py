@@ -19,6 +19,10 @@ How (the "block program" design; ``hf/block_program``):
    inputs the glue gave, and returns the stack's output. A call whose glue takes another path than the recorded
    one (``_OffProgram``) is run by the stock tower, counted (``counters.eager_fallbacks``) and logged once.
 
+Where the blocks cannot be graphs either (every block reads a host list; they do not attend over packed rows; the
+stack does not trace as one graph), ``blocks_refused`` gets both tiers' reasons, and the module it returns (the
+exact-size code, ``hf/exact_size_tower``) serves from that first call on; without one, ``BlocksRefused`` is raised.
+
 Invariant: the blocks run only inside the graph, and the glue reads no block output but the last
 (``record_block_program`` proves it on the recorded call, and every proxy checks its arguments' sources). Padding
 and isolation are the encoder's: padded rows form their own segments, so a NaN image stays in its rows.
@@ -28,12 +32,11 @@ Concurrent callers each have their own per-call state (thread-local) and the run
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -50,7 +53,8 @@ from vgraph_compile.hf.block_program import (
     flatten_arguments,
     record_block_program,
 )
-from vgraph_compile.hf.stand_in import TowerStandIn
+from vgraph_compile.hf.stand_in import TowerStandIn, first_line
+from vgraph_compile.hf.tower_call import own_code
 
 __all__ = ["BlockStack", "CompiledBlockTower", "compile_block_tower"]
 
@@ -74,9 +78,7 @@ class BlockStack(torch.nn.Module):
         self.segment = segment
         self.output_leaf = output_leaf
         self.squeezed = squeezed
-        shared = type(self).forward  # each stack its own code object: dynamo keys its traces by code (as TowerCall)
-        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
-        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
+        self.forward = types.MethodType(own_code(type(self).forward), self)  # each stack its own trace cache
 
     def forward(self, hidden: torch.Tensor, *inputs: Any) -> torch.Tensor:
         hidden, *inputs = (value.unsqueeze(0) if squeeze else value for value, squeeze in
@@ -142,11 +144,6 @@ class _StackCall:
 _UNSET = object()
 
 
-def _first_line(error: Exception) -> str:
-    lines = str(error).splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
 class _BlockProxy(torch.nn.Module):
     """Stands in a block of the served copy: hands its call to the owner (``CompiledBlockTower._block``)."""
 
@@ -183,11 +180,20 @@ class CompiledBlockTower(TowerStandIn):
 
     tier = "block graphs"
 
-    def __init__(self, tower: torch.nn.Module, config: VGraphConfig, tier_reason: str) -> None:
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        config: VGraphConfig,
+        tier_reason: str,
+        blocks_refused: Callable[[str], torch.nn.Module] | None = None,
+    ) -> None:
         super().__init__(tower)
         self.vgraph_config = config
         self.tier_reason = tier_reason
         """Why the whole-tower graph does not serve this tower (the host op, with its file and line)."""
+        self.blocks_refused = blocks_refused
+        """What serves the tower when its blocks cannot be graphs either (called with both tiers' reasons): the
+        exact-size code, from ``compile_vision_tower``; None: the refusal is raised."""
         self.stock_calls = 0
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -199,14 +205,21 @@ class CompiledBlockTower(TowerStandIn):
         self.__dict__["compiled"] = None
         """Per segment of the program, its compiled ``BlockStack``."""
         self.__dict__["served"] = None
+        self.__dict__["replacement"] = None
+        """What serves every call once the blocks were refused (``blocks_refused``'s module)."""
         self.__dict__["_warned_off_program"] = False
 
     @property
     def runtimes(self):
-        """The vgraph runtimes behind this tower (one per segment's trace; normally one)."""
+        """The vgraph runtimes behind this tower (one per segment's trace; normally one); once the blocks were
+        refused, those of the module serving it."""
+        if self.replacement is not None:
+            return self.replacement.runtimes
         return [runtime for compiled in self.compiled or () if compiled for runtime in compiled.vgraph.runtimes]
 
     def stats_table(self) -> str:
+        if self.replacement is not None:
+            return self.replacement.stats_table()
         program = self.program.describe() if self.program is not None else "not recorded yet"
         lines = [f"tier: block graphs ({program}); the whole forward is not one graph: {self.tier_reason}"]
         lines += [runtime.stats_table() for runtime in self.runtimes]
@@ -218,8 +231,10 @@ class CompiledBlockTower(TowerStandIn):
             return self.tower(*args, **kwargs)
         if self.program is None:
             with self._lock:
-                if self.program is None:
+                if self.program is None and self.replacement is None:
                     return self._record(args, kwargs)
+        if self.replacement is not None:
+            return self.replacement(*args, **kwargs)
         self._local.call = _StackCall(self.program)
         try:
             output = self.served(*args, **kwargs)
@@ -240,9 +255,20 @@ class CompiledBlockTower(TowerStandIn):
             return self.tower(*args, **kwargs)
 
     def _record(self, args: tuple, kwargs: dict) -> Any:
-        """The first call: record the program on the stock tower, compile the stack and build its buckets on the
-        recorded inputs; returns the stock output. A call the stock tower fails on as written too raises that error
-        (the caller's input), not a refusal of the tower."""
+        """The first call: record the program and compile it (``_program``); returns the stock output. Where the
+        blocks are refused, ``blocks_refused``'s module serves this call and every later one."""
+        try:
+            return self._program(args, kwargs)
+        except BlocksRefused as refusal:
+            if self.blocks_refused is None:
+                raise
+            self.__dict__["replacement"] = self.blocks_refused(getattr(refusal, "reason", str(refusal)))
+        return self.replacement(*args, **kwargs)
+
+    def _program(self, args: tuple, kwargs: dict) -> Any:
+        """Record the program on the stock tower, compile the stack and build its buckets on the recorded inputs;
+        returns the stock output. A call the stock tower fails on as written too raises that error (the caller's
+        input), not a refusal of the tower."""
         try:
             with routed_attention(self.tower):
                 recorded = record_block_program(self.tower, args, kwargs)
@@ -252,7 +278,7 @@ class CompiledBlockTower(TowerStandIn):
             self.tower(*args, **kwargs)  # the stock tower as written: its own error where the call is bad input
             raise self._refusal(
                 "the stock tower fails with its attention routed through vgraph's varlen op "
-                f"({_first_line(error)}): its blocks do not attend over packed rows with cu_seqlens"
+                f"({first_line(error)}): its blocks do not attend over packed rows with cu_seqlens"
             ) from error
         compiled = self._compile(recorded)  # its traces route attention (``around_trace``)
         program = recorded.program
@@ -282,15 +308,15 @@ class CompiledBlockTower(TowerStandIn):
             try:
                 compiled[-1](*(value[0] if squeeze else value for value, squeeze in zip(values, squeezed)))
             except Exception as error:
-                reason = f"its blocks ({program.describe()}) are not one graph either: {_first_line(error)}"
+                reason = f"its blocks ({program.describe()}) are not one graph either: {first_line(error)}"
                 raise self._refusal(reason) from error
         return compiled
 
     def _refusal(self, reason: str) -> BlocksRefused:
-        return BlocksRefused(
-            f"{type(self.tower).__name__} cannot be served by vgraph: the whole forward is not one graph "
-            f"({self.tier_reason}), and {reason}"
-        )
+        both = f"the whole forward is not one graph ({self.tier_reason}), and {reason}"
+        refusal = BlocksRefused(f"{type(self.tower).__name__} cannot be served by vgraph graphs: {both}")
+        refusal.reason = both
+        return refusal
 
     def _with_host_values(self, call: _StackCall, index: int, args: tuple, kwargs: dict) -> dict:
         """The block's keywords with the host values its program computes for it (``HostValue``), each computed once
@@ -340,6 +366,7 @@ def compile_block_tower(
     tower: torch.nn.Module,
     tier_reason: str,
     token_budgets: list[int] | tuple[int, ...] | None = None,
+    blocks_refused: Callable[[str], torch.nn.Module] | None = None,
     **options: Any,
 ) -> CompiledBlockTower:
     """Serve ``tower``'s block stack from vgraph bucket graphs and its glue as written (see the module docstring).
@@ -347,8 +374,9 @@ def compile_block_tower(
     ``token_budgets`` count rows of the blocks' hidden states (patches for most towers); other ``options`` are
     ``VGraphConfig`` fields (``max_segments`` bounds the attention segments of one call, windows included).
     ``tier_reason`` is why the whole-tower graph does not serve it. The program is recorded at the first call,
-    which the stock tower serves; a tower whose blocks cannot be one graph is refused then, with a ValueError
-    (``BlocksRefused``) naming the reason.
+    which the stock tower serves. Where the blocks cannot be one graph, ``blocks_refused`` is called with both
+    tiers' reasons and the module it returns serves that call and every later one (``compile_vision_tower`` passes
+    the exact-size code); without it the tower is refused then, with a ValueError (``BlocksRefused``) naming them.
     """
     config = VGraphConfig(token_budgets=tuple(token_budgets) if token_budgets is not None else None, **options)
-    return CompiledBlockTower(tower, config, tier_reason)
+    return CompiledBlockTower(tower, config, tier_reason, blocks_refused)

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["TowerStandIn"]
+__all__ = ["TowerStandIn", "first_line"]
+
+
+def first_line(error: Exception) -> str:
+    """An error as a tier names it in the reason it gives: its type and the first line of its message."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class TowerStandIn(torch.nn.Module):

@@ -54,7 +54,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -230,10 +230,21 @@ class CompiledTileTower(TowerStandIn):
     ``patch_attention_mask``, ``output_hidden_states`` and ``return_dict`` run the stock tower.
     """
 
-    def __init__(self, tower: torch.nn.Module, config: VGraphConfig, max_items: int) -> None:
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        config: VGraphConfig,
+        max_items: int,
+        trace_refused: Callable[[str], torch.nn.Module] | None = None,
+    ) -> None:
         super().__init__(tower)
         self.vgraph_config = config
         self.max_items = max_items
+        self.trace_refused = trace_refused
+        """What serves the tower when its first trace is refused (called with the reason): the exact-size code,
+        from ``compile_vision_tower``; None: the refusal is raised."""
+        self.__dict__["replacement"] = None
+        """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.split_calls = 0
         """Calls past ``max_items``, served by several graph calls."""
         self.stock_calls = 0
@@ -242,14 +253,19 @@ class CompiledTileTower(TowerStandIn):
 
     def _reset(self) -> None:
         self.compiled.clear()
+        self.__dict__["replacement"] = None
 
     @property
     def runtimes(self):
         """The vgraph runtimes behind this tower: per traced argument structure, the dynamic trace's, then the
-        one-tile graph's where there is one."""
+        one-tile graph's where there is one; once the trace was refused, those of the module serving it."""
+        if self.replacement is not None:
+            return self.replacement.runtimes
         return [runtime for traced in self.compiled.values() for runtime in traced.runtimes()]
 
     def stats_table(self) -> str:
+        if self.replacement is not None:
+            return self.replacement.stats_table()
         lines = ["tier: whole-tower graph (fixed tiles)"]
         for traced in self.compiled.values():
             lines.extend(runtime.stats_table() for runtime in traced.dynamic.vgraph.runtimes)
@@ -280,7 +296,10 @@ class CompiledTileTower(TowerStandIn):
         if not traced.checked:
             with traced.first_call:
                 if not traced.checked:
-                    return self._first_call(traced, args)
+                    try:
+                        return self._first_call(traced, args)
+                    except ValueError as refusal:  # the input was checked: the trace is refused
+                        raise _TraceRefused(refusal) from refusal
         if traced.one_tile is not None and args[0].shape[0] == 1:
             return traced.one_tile(*args)
         return traced.dynamic(*args) if traced.dynamic.traced else _trace(traced.dynamic, args)
@@ -308,16 +327,25 @@ class CompiledTileTower(TowerStandIn):
         return_dict: bool | None = None,
         **kwargs: Any,
     ):
+        given = {"patch_attention_mask": patch_attention_mask, "output_hidden_states": output_hidden_states,
+                 "return_dict": return_dict}  # fmt: skip
+        given = {name: value for name, value in given.items() if value is not None}
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in self.tower.parameters())
         if kwargs or self.training or trainable or not isinstance(pixel_values, torch.Tensor):
             self.stock_calls += 1
-            extra = {} if patch_attention_mask is None else {"patch_attention_mask": patch_attention_mask}
-            if output_hidden_states is not None:
-                extra["output_hidden_states"] = output_hidden_states
-            if return_dict is not None:
-                extra["return_dict"] = return_dict
-            return self.tower(pixel_values, **extra, **kwargs)
+            return self.tower(pixel_values, **given, **kwargs)
         self._check(pixel_values, patch_attention_mask)
+        if self.replacement is None:
+            try:
+                return self._serve(pixel_values, patch_attention_mask, output_hidden_states, return_dict)
+            except _TraceRefused as refusal:
+                if self.trace_refused is None:
+                    raise refusal.args[0] from None
+                self.__dict__["replacement"] = self.trace_refused(str(refusal.args[0]))
+        return self.replacement(pixel_values, **given)
+
+    def _serve(self, pixel_values, patch_attention_mask, output_hidden_states, return_dict):
+        """A checked call, from the bucket graphs (traced at the first call of its argument structure)."""
         if patch_attention_mask is not None and self._masks_nothing(patch_attention_mask):
             patch_attention_mask = None
         if output_hidden_states is None:
@@ -363,6 +391,10 @@ class CompiledTileTower(TowerStandIn):
                 f"patch_attention_mask must be [tiles, patches high, patches wide] with one row per tile of "
                 f"pixel_values ({pixel_values.shape[0]}), got {tuple(mask.shape)}"
             )
+
+
+class _TraceRefused(Exception):
+    """The first trace of an argument structure was refused (``args[0]``: the refusal, a ValueError)."""
 
 
 def _trace(compiled: CompiledEncoderFunction, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -423,13 +455,16 @@ def compile_tile_tower(
     max_items: int = DEFAULT_MAX_ITEMS,
     exact_items: int = DEFAULT_EXACT_ITEMS,
     item_growth: float = DEFAULT_ITEM_GROWTH,
+    trace_refused: Callable[[str], torch.nn.Module] | None = None,
     **options: Any,
 ) -> CompiledTileTower:
     """Serve ``tower`` (a fixed-tile tower, see ``is_tile_tower``) from graphs bucketed over its tile count.
 
     ``options`` are ``VGraphConfig`` fields (``compiler``, ``cudagraphs``, ``align_matmuls``, ...); the buckets
     come from ``max_items``, ``exact_items`` and ``item_growth`` (``tile_buckets``). The tower is traced on its
-    first call; a tower whose ops mix tiles is refused then, with a ValueError naming the op.
+    first call; a tower whose ops mix tiles is refused then: ``trace_refused`` is called with the reason, and the
+    module it returns serves that call and every later one (``compile_vision_tower`` passes the exact-size code);
+    without it, a ValueError naming the op is raised.
     """
     if isinstance(tower, CompiledTileTower):
         tower = tower.tower
@@ -442,4 +477,4 @@ def compile_tile_tower(
         if name in options:
             raise ValueError(f"{name} is not a tile-tower option: give max_items/exact_items/item_growth")
     config = VGraphConfig.from_options({**options, "token_budgets": tile_buckets(max_items, exact_items, item_growth)})
-    return CompiledTileTower(tower, config, max_items)
+    return CompiledTileTower(tower, config, max_items, trace_refused)

@@ -1,5 +1,6 @@
 """``TowerCall``: the forward the whole-tower graph traces (the tower with its grid withheld and every grid-derived
-value passed in), and the names its trace gives the window offsets."""
+value passed in), the names its trace gives the window offsets, and ``own_code`` (a function copy with a trace cache of
+its own, for every forward a tier hands dynamo)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import torch
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.hf.packed_tower import PackedTower, metadata_leaves
 
-__all__ = ["TowerCall", "traced_window_offsets"]
+__all__ = ["TowerCall", "own_code", "traced_window_offsets"]
+
+
+def own_code(function):
+    """A copy of ``function`` with a code object of its own: dynamo keeps traces, and counts its recompile limit, per
+    code object, so each copy has its own trace cache (two towers compiled in one process never share one)."""
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)  # fmt: skip
+    return functools.update_wrapper(own, function)
 
 
 class TowerCall(torch.nn.Module):
@@ -34,9 +43,7 @@ class TowerCall(torch.nn.Module):
         self.batched = interface.batched
         self.relations = interface.metadata_patches_per_row
         self.outputs = interface.outputs
-        shared = type(self).forward
-        own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__)
-        self.forward = types.MethodType(functools.update_wrapper(own, shared), self)
+        self.forward = types.MethodType(own_code(type(self).forward), self)
 
     def forward(self, pixel_values, **metadata):
         patches = pixel_values.shape[0]

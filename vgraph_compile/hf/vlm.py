@@ -14,11 +14,12 @@ into its buckets. A tower served on images only (``PackedTower.video_failure``) 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from vgraph_compile.hf.block_graphs import CompiledBlockTower, compile_block_tower
+from vgraph_compile.hf.exact_size_tower import CompiledExactSizeTower, compile_exact_size_tower
 from vgraph_compile.hf.metadata_plan import TowerRefused
 from vgraph_compile.hf.tiles import CompiledTileTower, compile_tile_tower, is_tile_tower
 from vgraph_compile.hf.whole_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
@@ -28,46 +29,52 @@ __all__ = ["compile_vision_tower", "compile_vlm", "find_vision_tower"]
 log = logging.getLogger(__name__)
 
 
-CompiledTower = CompiledVisionTower | CompiledTileTower | CompiledBlockTower
-_COMPILED = (CompiledVisionTower, CompiledTileTower, CompiledBlockTower)
+CompiledTower = CompiledVisionTower | CompiledTileTower | CompiledBlockTower | CompiledExactSizeTower
+_COMPILED = (CompiledVisionTower, CompiledTileTower, CompiledBlockTower, CompiledExactSizeTower)
 
-_BLOCK_OPTIONS_UNUSED = ("max_items", "max_frames", "parallel", "sequence_cost")
-"""Options of the whole-tower graph that bound or split its graph calls; the block graphs bound one call by
-``token_budgets`` and ``max_segments`` and take the glue's own packing, so they do not read these."""
+_WHOLE_TOWER_OPTIONS = (
+    "max_items", "max_frames", "exact_items", "item_growth", "parallel", "sequence_cost", "process_group",
+    "max_signatures",
+)
+"""Options the block graphs and the exact-size code do not read: the whole-tower graph's that bound or split its
+graph calls, size its tile buckets or spread them over a process group (the block graphs bound one call by
+``token_budgets`` and ``max_segments`` and take the glue's own packing), and the exact-size code's
+``max_signatures``, passed to it alone."""
 
 
 def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTower:
-    """Serve ``tower`` from vgraph's bucket graphs, by the first tier that can:
+    """Serve ``tower`` by the first tier that can:
 
     1. the whole-tower graph: ``compile_packed_tower`` when its forward takes a grid of packed variable-size images
        and everything it reads from the grid is grid metadata (when its first call's trace is refused all the same,
        block graphs take over from that call on), ``compile_tile_tower`` when it takes a batch of same-size tiles;
     2. block graphs (``compile_block_tower``): the block stack from graphs and the glue as written, for any other
-       transformers tower (its forward reads the grid on the host, takes other arguments...). A tower whose blocks
-       cannot be one graph either is refused at its first call with a ValueError naming the reason; a module with
-       no transformers config, at once.
+       transformers tower (its forward reads the grid on the host, takes other arguments...);
+    3. the exact-size code (``compile_exact_size_tower``), where its blocks cannot be graphs either (they change
+       shape with the items): the tower's forward compiled at each call's sizes, or the stock tower for the calls
+       where that measured slower. Only a module with no transformers config is refused, at once.
 
-    The tier and the reason are logged once and shown in ``stats_table()``. ``options`` are those of the tier
-    taken (token budgets and ``max_frames`` for packed towers, tile buckets for fixed-tile ones; ``max_items`` and
-    VGraphConfig fields for both; the block graphs take ``token_budgets`` and VGraphConfig fields).
+    The tier and the reasons the better ones could not serve are logged once and shown in ``stats_table()``.
+    Over a ``process_group`` the whole-tower graph splits each call over the ranks; the lower tiers serve each
+    rank's call whole (every rank gets the same batch and returns the whole output, as over the group).
+    ``options`` are those of the tier taken (token budgets and ``max_frames`` for packed towers, tile buckets for
+    fixed-tile ones; ``max_items`` and VGraphConfig fields for both; the block graphs take ``token_budgets`` and
+    VGraphConfig fields; the exact-size code reads ``compiler``, ``call_choice`` and ``max_signatures``).
     """
     if isinstance(tower, _COMPILED):
         tower = tower.tower
     name = type(tower).__name__
     if is_packed_tower(tower):
-        def blocks(reason: str) -> CompiledBlockTower:
-            log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
-            return compile_block_tower(tower, reason, **_block_options(options))
-
         try:
-            served = compile_packed_tower(tower, trace_refused=blocks, **options)
+            served = compile_packed_tower(tower, trace_refused=_block_graphs(tower, options), **_tier_options(options))
         except TowerRefused as refusal:
             reason = str(refusal).split(": ", 1)[-1]
         else:
             log.info("%s: served by the whole-tower graph", name)
             return served
     elif is_tile_tower(tower):
-        return compile_tile_tower(tower, **options)
+        exact_size = _exact_size(tower, options, "the tile graph")
+        return compile_tile_tower(tower, trace_refused=exact_size, **_tier_options(options))
     else:
         reason = (
             "its forward takes neither a grid (grid_thw, image_grid_thw...) of packed variable-size images nor "
@@ -79,29 +86,65 @@ def compile_vision_tower(tower: torch.nn.Module, **options: Any) -> CompiledTowe
                 "VLM (model.visual, model.vision_tower...), or compile a custom encoder with vgraph_compile.encoder"
             )
     if options.get("process_group") is not None:
-        raise ValueError(
-            f"{name} cannot be served over a process_group: the whole forward is not one graph ({reason}), and "
-            "block graphs serve one process. Pass process_group=None"
-        )
-    log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
-    return compile_block_tower(tower, reason, **_block_options(options))
+        log.info("%s: each rank of the process_group encodes every call whole: block graphs serve one process", name)
+    return _block_graphs(tower, options)(reason)
 
 
-def _block_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in options.items() if key not in (*_BLOCK_OPTIONS_UNUSED, "process_group")}
+def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of the whole-tower graph (every one but the exact-size code's)."""
+    return {key: value for key, value in options.items() if key != "max_signatures"}
+
+
+def _block_graphs(tower: torch.nn.Module, options: dict[str, Any]) -> Callable[[str], CompiledBlockTower]:
+    """Block graphs for ``tower``, made when the whole-tower graph gives the reason it cannot serve; the
+    exact-size code once they give theirs."""
+    name = type(tower).__name__
+    exact_size = _exact_size(tower, options, "block graphs")
+
+    def blocks(reason: str) -> CompiledBlockTower:
+        log.info("%s: served by block graphs: the whole forward is not one graph: %s", name, reason)
+        return compile_block_tower(tower, reason, blocks_refused=exact_size, **_lower_options(options))
+
+    return blocks
+
+
+def _exact_size(
+    tower: torch.nn.Module, options: dict[str, Any], refused_by: str
+) -> Callable[[str], CompiledExactSizeTower]:
+    """The exact-size code for ``tower``, made when the tier above it (``refused_by``) gives its reason."""
+    signatures = {"max_signatures": options["max_signatures"]} if "max_signatures" in options else {}
+
+    def exact_size(reason: str) -> CompiledExactSizeTower:
+        log.info("%s: served by the exact-size code: %s cannot serve it: %s", type(tower).__name__, refused_by, reason)
+        return compile_exact_size_tower(tower, f"{refused_by}: {reason}", **_lower_options(options), **signatures)
+
+    return exact_size
+
+
+def _lower_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options the block graphs and the exact-size code take (VGraphConfig fields and token budgets)."""
+    return {key: value for key, value in options.items() if key not in _WHOLE_TOWER_OPTIONS}
 
 
 def _is_tower(module: torch.nn.Module, vision_config: Any) -> bool:
+    """A compiled tower; a packed or fixed-tile tower whose config is ``vision_config`` (any, when None); or a
+    transformers model whose config is ``vision_config``, whatever its forward takes (MiniCPM-V's tower takes
+    ``target_sizes``: block graphs or the exact-size code serve it)."""
     if isinstance(module, _COMPILED):
         return True
-    config_matches = vision_config is None or getattr(module, "config", None) is vision_config
-    return config_matches and (is_packed_tower(module) or is_tile_tower(module))
+    if vision_config is None:
+        return is_packed_tower(module) or is_tile_tower(module)
+    if getattr(module, "config", None) is not vision_config:
+        return False
+    from transformers import PreTrainedModel
+
+    return is_packed_tower(module) or is_tile_tower(module) or isinstance(module, PreTrainedModel)
 
 
 def find_vision_tower(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """(the module holding the vision tower, the attribute name): the shallowest submodule of ``model`` that is a
-    vision tower (a compiled one, or a packed or fixed-tile tower whose config is the model's ``vision_config``, when
-    the model has one)."""
+    vision tower (``_is_tower``: a compiled one; a packed or fixed-tile tower; where the model has a
+    ``vision_config``, only a module of that config, any transformers model of it)."""
     vision_config = getattr(getattr(model, "config", None), "vision_config", None)
     found = []
     for path, module in model.named_modules():
@@ -111,9 +154,10 @@ def find_vision_tower(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
             found.append(path)
     if not found:
         raise ValueError(
-            f"compile_vlm found no vision tower in {type(model).__name__}: no submodule takes packed patch rows with "
-            "a grid (grid_thw, image_grid_thw...) or pixel_values of one fixed image size. Compile its tower with vgraph_compile.hf.compile_vision_tower, or "
-            "its encoder with vgraph_compile.encoder"
+            f"compile_vlm found no vision tower in {type(model).__name__}: no submodule is a model of its "
+            "vision_config, takes packed patch rows with a grid (grid_thw, image_grid_thw...) or pixel_values of one "
+            "fixed image size. Compile its tower with vgraph_compile.hf.compile_vision_tower, or its encoder with "
+            "vgraph_compile.encoder"
         )
     path = min(found, key=lambda name: name.count("."))
     owner_path, _, attribute = path.rpartition(".")
