@@ -92,3 +92,28 @@ def test_padding_costs_time_buckets_largest_first_down_to_the_first_that_hides_n
     assert min(costs.empty_ms + costs.full_ms) > 0
     hides = [costs.exact_host_ms <= EXACT_HOST_SHARE * ms for ms in costs.full_ms]
     assert all(hides[1:]) and (not hides[0] or costs.budgets[0] == budgets[0])
+
+
+def test_offsets_made_from_the_grid_are_filled_with_one_segment_of_max_seqlen():
+    """An HF tower's ``cu_seqlens`` come from its grid (the group's end is not tied to a row count): the full fill
+    gives that group one segment of the bucket's ``max_seqlen`` rows, so the one-segment replay the exact-size rule
+    weighs runs attention over them, and the compiled code runs the fill to finite rows."""
+    from vgraph_compile.hf import compile_vision_tower
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
+
+    tower = qwen_tower("qwen2-vl", torch.device("cpu"), torch.float32, **TOY_SIZES["qwen2-vl"])
+    compiled = compile_vision_tower(tower, token_budgets=[64, 256], max_items=3, compiler="eager")
+    with torch.no_grad():
+        compiled(torch.randn(64, *compiled.interface.pixel_shape), torch.tensor([[1, 8, 8]]))
+    (runtime,) = compiled.runtimes
+    (group,) = runtime.spec.groups
+    assert group.ends_at is None
+    roles, bucket = runtime.encoder.roles, runtime.buckets[-1]
+    fill_full(bucket, runtime.spec, roles, torch.Generator().manual_seed(0))
+    length = bucket.shape.max_seqlen[0]
+    offsets = bucket.buffers[group.offsets_input].tolist()
+    assert offsets == [0] + [length] * (len(offsets) - 1) and length > 0
+    with torch.no_grad():
+        outputs = bucket.run(runtime.encoder.compiled)
+    tensors = [out for out in outputs if isinstance(out, torch.Tensor)]
+    assert tensors and all(bool(torch.isfinite(out).all()) for out in tensors)

@@ -7,7 +7,8 @@ capture.
 Each bucket is timed full, the way large calls use it: its floating token buffers hold random values (never zeros,
 which run faster than real data), and each attention group whose offsets the graph reads as they are
 (``AttentionGroup.ends_at``) is cut into segments of the bucket's ``max_seqlen`` up to its rows (the group's
-costliest valid fill); every other buffer holds what a call with no tokens holds. Times are medians of a few runs
+costliest valid fill), and a group whose offsets are an input with no known end holds one such segment; every other
+buffer holds what a call with no tokens holds. Times are medians of a few runs
 (CUDA events on CUDA, the host clock on the CPU). The runtime interpolates the exact-size times between budgets for
 a call's real rows; the replay time of a bucket does not depend on the call it serves. The stock module's time is
 not in this table: the runtime cannot call the user's module from graph inputs, so it times the stock module on the
@@ -168,13 +169,16 @@ def _random_tokens(bucket: Bucket, roles: dict[int, Role], generator: torch.Gene
 
 def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generator: torch.Generator) -> None:
     """Fill ``bucket`` as its costliest call (module docstring): random token rows, each group that ends at its
-    rows cut into segments of the bucket's ``max_seqlen``, the rest as for a call with no tokens."""
+    rows cut into segments of the bucket's ``max_seqlen``, the rest as for a call with no tokens. A group whose
+    offsets are a graph input but whose end the analysis did not tie to a row count (an HF tower's ``cu_seqlens``,
+    made from the grid on the host) gets one segment of ``max_seqlen`` rows, which no bucket's rows fall short of:
+    without it the "full" replay would run no attention at all."""
     _random_tokens(bucket, roles, generator)
     for group, length in zip(spec.groups, bucket.shape.max_seqlen):
         offsets = bucket.buffers.get(group.offsets_input)
-        if group.ends_at is None or offsets is None or roles[group.offsets_input] is not Role.SEGMENT_OFFSETS:
+        if offsets is None or roles[group.offsets_input] is not Role.SEGMENT_OFFSETS:
             continue
-        rows = evaluate(group.ends_at, bucket.shape.values, "a group's rows")
+        rows = length if group.ends_at is None else evaluate(group.ends_at, bucket.shape.values, "a group's rows")
         full = (torch.arange(offsets.shape[0], dtype=torch.int64) * length).clamp(max=rows)
         offsets.copy_(full.to(offsets.dtype))
 
