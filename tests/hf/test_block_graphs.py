@@ -3,14 +3,20 @@ written and their block stack replayed from one bucket graph per call: equal to 
 op, fp32) on packed calls of one image, several, and a video where the family takes videos; every call after the
 first replays (a fall back to eager fails the test); a NaN image stays in its rows; concurrent callers get their own
 rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``; on their own,
-block graphs refuse a tower none of whose blocks can be one graph."""
+block graphs refuse a tower none of whose blocks can be one graph. Configs drawn from each family's config class
+(``family_configs.tower_sizes``) are served equal to stock: one draw in the default profile, 12 per family in
+``HYPOTHESIS_PROFILE=thorough``."""
 
 import re
 
 import pytest
 import torch
 
-from tests.helpers import outputs_from_threads
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from tests.helpers import THOROUGH, outputs_from_threads
+from tests.hf.family_configs import tower_sizes
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
 from vgraph_compile.hf.block_graphs import compile_block_tower
@@ -90,6 +96,49 @@ def test_served_by_block_graphs_equal_to_eager(name):
             ref = tower(*args, **kwargs)
         assert not out.last_hidden_state.isnan().any()
         torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def _drawn_served(name, fields):
+    """The tower of ``fields`` (over the family's ``FIELDS``), served by whatever tier ``compile_vision_tower``
+    picks, equal to the stock tower on one image, several and a video; ``reject()`` where the stock tower cannot
+    build or run one image at those sizes."""
+    fields = {**fields, **FIELDS.get(name, {})}
+    try:
+        tower = build_tower(name, **fields)
+        args, kwargs = tower_call(name, tower, [(1, 8, 12)])
+        with torch.no_grad(), routed_attention(tower):
+            tower(*args, **kwargs)
+    except Exception:  # the family's config validation, or its stock tower at these sizes
+        reject()
+    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
+    t = 1 if name in IMAGES_ONLY else 2
+    for grid in ([(1, 8, 12)], [(1, 8, 8), (1, 2, 2), (1, 4, 6)], [(t, 4, 4), (1, 2, 4)]):
+        args, kwargs = tower_call(name, tower, grid)
+        with torch.no_grad():
+            out = served(*args, **kwargs)
+        with torch.no_grad(), routed_attention(tower):
+            ref = tower(*args, **kwargs)
+        assert not out.last_hidden_state.isnan().any(), (name, fields, grid)
+        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+_DRAWN = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@settings(max_examples=1, **_DRAWN)
+@given(name=st.sampled_from(sorted(SERVED)), data=st.data())
+def test_a_drawn_config_of_a_block_tier_family_is_served_equal_to_stock(name, data):
+    """One family and one config drawn from its config class (``family_configs.tower_sizes``: depth, widths, heads,
+    merge, patch and position-table sizes), served by the tier ``compile_vision_tower`` picks."""
+    _drawn_served(name, data.draw(tower_sizes(name), label="config"))
+
+
+@pytest.mark.skipif(not THOROUGH, reason="many configs per family: HYPOTHESIS_PROFILE=thorough")
+@pytest.mark.parametrize("name", sorted(SERVED))
+@settings(max_examples=12, **_DRAWN)
+@given(data=st.data())
+def test_drawn_configs_of_each_block_tier_family_are_served_equal_to_stock(name, data):
+    _drawn_served(name, data.draw(tower_sizes(name), label="config"))
 
 
 def test_nan_image_stays_in_its_rows():

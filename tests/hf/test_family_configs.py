@@ -21,8 +21,8 @@ from tests.hf.test_families import LOWER_TIERS
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
 SERVED = sorted(set(vision_utils_families()) - LOWER_TIERS)
-"""The families served by the whole-tower graph; the block-graph tier's are tested on one tiny config each in
-``test_block_graphs`` (drawing their configs is not built: ``check_served`` reads the whole-tower encoder)."""
+"""The families served by the whole-tower graph; the lower tiers' configs are drawn in ``test_block_graphs`` (with
+``tower_sizes``; ``check_served`` reads the whole-tower encoder)."""
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
