@@ -39,6 +39,7 @@ CHECK_MODULES = (
     "tests.hf.test_data_parallel",
     "tests.hf.test_sequence_parallel",
     "tests.hf.test_rank_agreement",
+    "tests.hf.test_parallel_error",
 )
 PRELOAD = (
     __name__,
