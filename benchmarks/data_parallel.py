@@ -7,8 +7,13 @@ requests of exactly 4 images (the same generator, filtered) timed one by one for
 request's latency is the slowest rank's, from a common start). Each group is a fresh set of processes
 (``torch.multiprocessing.spawn``); ``NCCL_NVLS_ENABLE=0`` (no NVLink multicast) is set for every one of them.
 
-``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call);
-every request's output is compared with the same rank alone first. ``--towers`` picks the towers of the trace (one
+``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call).
+Before the trace, the first ``--error-requests`` requests are encoded in each of ``--error-modes`` (default: the
+trace's mode) and compared with the same rank alone: per mode each call was served in (``data``, ``sequence``,
+``sequence+data``), the relative error (``hf/parallel_error.relative_error``: the norm of the difference over the
+norm of the one-rank output, every field of a call together; max and median over calls), one rank's own error
+against the stock tower in float64 on the same request, and the bound, ``ERROR_BOUND_FACTOR`` times that own error
+(``hf/parallel_error``), checked per call (``error_vs_one_rank``). ``--towers`` picks the towers of the trace (one
 group per tower and group size; the report's ``groups`` per tower) and of ``--sequence``.
 With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the latency of 1x1344^2, 1x1792^2 and a
 16-frame 448^2 video for each tower (released sizes), each group compiled with buckets of
@@ -26,12 +31,15 @@ data-parallel): time to first token of ``ttft.py``'s first N requests, per group
     python benchmarks/data_parallel.py --ranks 1 2 --vlm-requests 32 --json benchmarks/results/data_parallel_h200x2.json
     python benchmarks/data_parallel.py --device cpu --tiny --vlm-requests 4 --json /tmp/dp.json   # gloo, toy sizes
     python benchmarks/data_parallel.py --ranks 1 2 --parallel auto --sequence --profile --json /tmp/sequence.json
+    python benchmarks/data_parallel.py --ranks 1 2 --parallel auto --error-modes data sequence auto --json /tmp/err.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import statistics
 import json
 import os
 import tempfile
@@ -47,6 +55,7 @@ from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.bench.workload import random_requests, to_grid
 from vgraph_compile.hf import compile_vision_tower
 from vgraph_compile.hf.packed_tower import config_geometry
+from vgraph_compile.hf.parallel_error import ERROR_BOUND_FACTOR, Float64Reference, output_fields, relative_error
 from vgraph_compile.hf.sequence_parallel import split_rows
 
 TINY_OPTIONS = dict(token_budgets=[256, 1280], max_items=4, compiler="eager", attention_backend="sdpa")
@@ -90,7 +99,8 @@ def _join(rank: int, ranks: int, directory: str, args) -> tuple[torch.device, to
         world_size=ranks,
         timeout=datetime.timedelta(minutes=10),
     )
-    return torch.device(f"cuda:{rank}" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if cuda else torch.float32
+    return torch.device(f"cuda:{rank}" if cuda else "cpu"), dtype
 
 
 def _write(directory: str, report: dict[str, Any]) -> None:
@@ -140,9 +150,8 @@ def _tower_rank(rank: int, ranks: int, directory: str, args) -> None:
             warmup_s = time.perf_counter() - start
             report = {"warmup_s": round(warmup_s, 1)}
             if ranks > 1:
-                report["max_abs_diff_vs_one_rank"] = max(
-                    _vs_one_rank(compiled, grid, width, device, dtype) for grid in requests
-                )
+                grids = requests[: args.error_requests]
+                report["error_vs_one_rank"] = errors_vs_one_rank(compiled, grids, args.error_modes, width, dtype)
             inputs = [_inputs(grid, width, device, dtype, index) for index, grid in enumerate(requests)]
             dist.barrier()
             synchronize(device)
@@ -350,19 +359,53 @@ def _vlm_rank(rank: int, ranks: int, directory: str, args) -> None:
         dist.destroy_process_group()
 
 
-def _vs_one_rank(compiled, grid, width: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Largest difference between this group's output and this rank alone (process_group=None) on one request,
-    over every field (Qwen3-VL's deepstack features too)."""
-    pixel_values, grid_thw = _inputs(grid, width, device, dtype, 0)
-    spread = compiled(pixel_values, grid_thw)
+def _one_rank(compiled, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    """``compiled`` on this rank alone (``process_group=None``): the same single-process graphs, no collective."""
     group, compiled.process_group = compiled.process_group, None
     try:
-        alone = compiled(pixel_values, grid_thw)
+        return compiled(pixel_values, grid_thw)
     finally:
         compiled.process_group = group
-    fields = [(spread.pooler_output, alone.pooler_output), (spread.last_hidden_state, alone.last_hidden_state)]
-    fields += zip(getattr(spread, "deepstack_features", None) or (), getattr(alone, "deepstack_features", None) or ())
-    return max(float((a.float() - b.float()).abs().max()) for a, b in fields)
+
+
+def errors_vs_one_rank(compiled, grids, modes: list[str], width: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Per mode a call was served in: its calls, the relative error of each against this rank alone (max, median),
+    this rank's own error against the float64 stock tower (max, median), the largest ratio of a call's error to its
+    bound (``ERROR_BOUND_FACTOR`` x its own error: <= 1 within the bound) and the largest absolute difference. Each
+    of ``grids`` is encoded in every one of ``modes`` (``parallel=``); the calls are not counted in
+    ``parallel_calls``."""
+    device = compiled.parameter.device
+    reference = Float64Reference(compiled.tower)
+    counted, trace_mode = collections.Counter(compiled.parallel_calls), compiled.parallel
+    served: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+    for index, grid in enumerate(grids):
+        pixel_values, grid_thw = _inputs(grid, width, device, dtype, index)
+        alone = output_fields(_one_rank(compiled, pixel_values, grid_thw))
+        own = relative_error(alone, reference(pixel_values, grid_thw.to(device)))
+        for mode in modes:
+            compiled.parallel = mode
+            before = collections.Counter(compiled.parallel_calls)
+            spread = output_fields(compiled(pixel_values, grid_thw))
+            (call_mode,) = compiled.parallel_calls - before
+            largest = max(float((a.float() - b.float()).abs().max()) for a, b in zip(spread, alone))
+            served[call_mode].append((relative_error(spread, alone), own, largest))
+    compiled.parallel_calls, compiled.parallel = counted, trace_mode
+    del reference
+    report: dict[str, Any] = {"requests": len(grids), "modes_asked": modes, "bound_factor": ERROR_BOUND_FACTOR}
+    for call_mode, rows in sorted(served.items()):
+        errors, owns, largest = zip(*rows)
+        ratio = max(error / (ERROR_BOUND_FACTOR * own) if own else float(error > 0) for error, own, _ in rows)
+        report[call_mode] = {
+            "calls": len(rows),
+            "relative_error_max": float(f"{max(errors):.3g}"),
+            "relative_error_median": float(f"{statistics.median(errors):.3g}"),
+            "one_rank_error_vs_float64_max": float(f"{max(owns):.3g}"),
+            "one_rank_error_vs_float64_median": float(f"{statistics.median(owns):.3g}"),
+            "max_ratio_to_bound": round(ratio, 4),
+            "within_bound": ratio <= 1.0,
+            "max_abs_diff": max(largest),
+        }
+    return report
 
 
 def run_group(target, ranks: int, args) -> dict[str, Any]:
@@ -395,9 +438,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="diagnosis: destroy each group with its tower's sequence graphs alive (their captured all-to-alls "
         "hold the NCCL communicator: destroy_process_group waits on NCCL >= 2.26, pytorch#115388)",
     )
+    parser.add_argument(
+        "--error-modes",
+        nargs="+",
+        choices=["data", "sequence", "auto"],
+        help="modes whose error against one rank is measured on --error-requests requests (default: --parallel)",
+    )
+    parser.add_argument("--error-requests", type=int, default=16, help="requests the error is measured on")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
+    args.error_modes = args.error_modes or [args.parallel]
     if args.device == "cuda" and torch.cuda.device_count() < max(args.ranks):
         parser.error(f"--ranks {max(args.ranks)} needs as many GPUs; this machine has {torch.cuda.device_count()}")
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by every process spawned below
@@ -405,7 +457,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "model": f"{', '.join(args.towers)} vision tower(s), "
-        + ("toy size, fp32" if args.tiny else "released size, random weights, bf16"),
+        + ("toy size" if args.tiny else "released size, random weights")
+        + f", {args.dtype or ('bfloat16' if args.device == 'cuda' else 'float32')}",
         "workload": {"trace_requests": args.requests, "latency_requests": args.latency_requests, "seed": args.seed},
         "env": {"NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]},
         "groups": {},

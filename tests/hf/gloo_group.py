@@ -35,7 +35,12 @@ import torch.distributed as dist
 
 from vgraph_compile.sample_models.qwen_towers import REAL_SIZES
 
-CHECK_MODULES = ("tests.hf.test_data_parallel", "tests.hf.test_sequence_parallel")
+CHECK_MODULES = (
+    "tests.hf.test_data_parallel",
+    "tests.hf.test_sequence_parallel",
+    "tests.hf.test_rank_agreement",
+    "tests.hf.test_parallel_error",
+)
 PRELOAD = (
     __name__,
     *CHECK_MODULES,
@@ -57,12 +62,12 @@ _TOWERS: list = []
 
 
 @functools.cache
-def compiled(name: str, group):
-    """The toy tower ``name`` (``TOY_SIZES``) compiled over ``group``, once per process."""
+def compiled(name: str, group, dtype: torch.dtype = torch.float32):
+    """The toy tower ``name`` (``TOY_SIZES``) in ``dtype`` compiled over ``group``, once per process."""
     from vgraph_compile.hf import compile_vision_tower
     from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
-    tower = qwen_tower(name, "cpu", torch.float32, **TOY_SIZES[name])
+    tower = qwen_tower(name, "cpu", dtype, **TOY_SIZES[name])
     _TOWERS.append(compile_vision_tower(tower, process_group=group, **OPTIONS))
     return _TOWERS[-1]
 
@@ -79,16 +84,13 @@ def parallel(tower, mode: str) -> Iterator[collections.Counter]:
 
 
 def inputs(tower, grid, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random pixel rows for ``grid`` (t, h, w patches per item) and the grid as ``grid_thw``."""
+    """Random pixel rows for ``grid`` (t, h, w patches per item), in the tower's dtype, and the grid as
+    ``grid_thw``."""
     (width,) = tower.interface.pixel_shape
     patches = sum(t * h * w for t, h, w in grid)
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(patches, width, generator=generator), torch.tensor(grid, dtype=torch.int64).view(-1, 3)
-
-
-def fields(out) -> list[torch.Tensor]:
-    """The tensors of a tower's output: pooler_output, last_hidden_state and Qwen3-VL's deepstack features."""
-    return [out.pooler_output, out.last_hidden_state, *(getattr(out, "deepstack_features", None) or ())]
+    pixel_values = torch.randn(patches, width, generator=generator).to(tower.parameter.dtype)
+    return pixel_values, torch.tensor(grid, dtype=torch.int64).view(-1, 3)
 
 
 @functools.cache

@@ -21,7 +21,6 @@ from tests.hf.gloo_group import (
     OPTIONS,
     assert_passed,
     compiled,
-    fields,
     inputs,
     parallel,
     single,
@@ -29,6 +28,7 @@ from tests.hf.gloo_group import (
     vlm_equals_stock,
 )
 from vgraph_compile.geometry import VisionGeometry
+from vgraph_compile.hf.parallel_error import output_fields
 from vgraph_compile.hf.sequence_parallel import Split, localize, split_rows
 
 WINDOWED = VisionGeometry(patch_size=14, spatial_merge_size=2, window_size=112)
@@ -101,7 +101,7 @@ def _towers_equal_stock(group):
             for seed, (case, grid) in enumerate(CASES.items()):
                 pixel_values, grid_thw = inputs(tower, grid, seed)
                 out, stock = tower(pixel_values, grid_thw), tower.tower(pixel_values, grid_thw)
-                for mine, theirs in zip(fields(out), fields(stock), strict=True):
+                for mine, theirs in zip(output_fields(out), output_fields(stock), strict=True):
                     assert not mine.isnan().any(), (name, case)
                     torch.testing.assert_close(
                         mine, theirs, rtol=1e-5, atol=1e-5, msg=lambda m, at=f"{name}, {case}": f"{at}: {m}"
@@ -179,7 +179,7 @@ def _auto_stream_stays_in_step(group):
         for seed, grid in enumerate(_stream(dist.get_world_size(group), 12)):
             pixel_values, grid_thw = inputs(tower, grid, seed)
             out, alone = tower(pixel_values, grid_thw), single(tower, pixel_values, grid_thw)
-            for mine, theirs in zip(fields(out), fields(alone), strict=True):
+            for mine, theirs in zip(output_fields(out), output_fields(alone), strict=True):
                 assert mine.shape == theirs.shape, grid
                 torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, msg=lambda m, at=grid: f"{at}: {m}")
     assert set(calls) == {"data", "sequence", "sequence+data"}, calls

@@ -123,10 +123,14 @@ class CompiledEncoder:
         self.cudagraphs = self.record.cudagraphs
         self.dropped = list(self.record.dropped)
 
-    def warmup(self, prepare: Callable[[Bucket], None]) -> None:
+    def warmup(
+        self, prepare: Callable[[Bucket], None], agree: Callable[[set[int]], set[int]] | None = None
+    ) -> None:
         """Capture every bucket's CUDA graph (largest first, one pool), each after ``prepare(bucket)`` filled its
         buffers as for a call with no tokens; idempotent and thread-safe. Once done it costs one attribute read, so
-        every call may ask for it."""
+        every call may ask for it. ``agree`` (over a group of processes whose graphs hold collectives) maps the
+        budgets captured here to those to keep, before ``captured`` is set: no call is served from a bucket
+        before it ran."""
         if self.captured:
             return
         with self._lock:
@@ -144,6 +148,14 @@ class CompiledEncoder:
                 ]
                 self.buckets = captured
                 self.pool_bytes = bucket_graphs.pool_bytes(pool)
+            if agree is not None:
+                kept = agree({bucket.shape.budget for bucket in self.buckets})
+                self.dropped += [
+                    DroppedBucket(bucket.shape.budget, "not captured on every process of the group")
+                    for bucket in self.buckets
+                    if bucket.shape.budget not in kept
+                ]
+                self.keep_buckets(kept)
             self.captured = True
 
     def keep_buckets(self, budgets: set[int]) -> None:

@@ -91,13 +91,19 @@ class VGraphBackend:
     """The vgraph backend with a fixed config; keeps the runtimes it built, in order."""
 
     def __init__(
-        self, config: VGraphConfig | None = None, keep_first_outputs: bool = False, analyses: Analyses = ANALYSES
+        self,
+        config: VGraphConfig | None = None,
+        keep_first_outputs: bool = False,
+        analyses: Analyses = ANALYSES,
+        agree_buckets: Callable[[set[int]], set[int]] | None = None,
     ) -> None:
         self.config = config or VGraphConfig()
         self.analyses = analyses
         """The analyses run on each trace: ``ANALYSES`` (varlen encoders) or ``TILE_ANALYSES`` (fixed tiles)."""
         self.keep_first_outputs = keep_first_outputs
         """Runtimes keep their first call's outputs (for ``vgraph_compile.encoder`` to map its return value)."""
+        self.agree_buckets = agree_buckets
+        """Given to every runtime it keeps (``VGraphRuntime.agree_buckets``)."""
         self.cudnn_attention: bool | None = None
         """The caller's cuDNN attention setting, for the build, when dynamo traced with it off; None: unchanged."""
         self.runtimes: list[VGraphRuntime] = []
@@ -176,6 +182,7 @@ class VGraphBackend:
 
     def adopt(self, runtime: VGraphRuntime) -> None:
         """Keep ``runtime`` with this backend's (a runtime this backend built, or one assembled from a saved plan)."""
+        runtime.agree_buckets = self.agree_buckets
         self.runtimes.append(runtime)
         _RUNTIMES.add(runtime)
 

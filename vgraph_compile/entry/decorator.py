@@ -84,13 +84,15 @@ class CompiledEncoderFunction:
         config: VGraphConfig,
         analyses: Analyses = ANALYSES,
         around_trace: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        agree_buckets: Callable[[set[int]], set[int]] | None = None,
     ) -> None:
         """``around_trace``: entered around every call that goes through dynamo (the first trace, any retrace)
         and around a call run as written, never on the hot path: what the trace must see whichever call traces
-        (the HF towers' attention routing, ``hf.attention.routed_attention``)."""
+        (the HF towers' attention routing, ``hf.attention.routed_attention``). ``agree_buckets``: every runtime's
+        (``VGraphRuntime.agree_buckets``)."""
         self.target = target
         self._around_trace = around_trace
-        self.vgraph = VGraphBackend(config, keep_first_outputs=True, analyses=analyses)
+        self.vgraph = VGraphBackend(config, keep_first_outputs=True, analyses=analyses, agree_buckets=agree_buckets)
         self._compiled = torch.compile(target, backend=self.vgraph, dynamic=True, fullgraph=True)
         self._forward = target.forward if isinstance(target, torch.nn.Module) else target
         self._hot: _HotPath | None = None

@@ -3,16 +3,15 @@
 Every rank holds the whole tower and is called with the same full batch, as tensor-parallel ranks receive the
 same multimodal inputs. Per call, on every rank:
 
-1. **Check** (``same_batch``): a 62-bit hash of ``grid_thw`` (or ``REFUSED`` where this rank's input check
-   failed) all-reduced with MAX over ``[hash, -hash]``; unequal hashes mean the ranks got different batches, and
-   every rank raises, before any other collective. On an accelerator the check runs on a gloo group of the same
-   ranks (``check_group``), so reading it does not wait for the device.
+1. **Check**: every rank got the same batch (``rank_agreement.same_batch``), before any other collective.
 2. **Assign** (``assign``): a pure function of the grid, so every rank computes the same one with no
    communication: items (a video with all its frames) greedily, largest first, onto the least-loaded rank.
    ``CompiledVisionTower`` may first cut a video larger than a rank's fair share into items of whole frames, where
    the tower's metadata shows that gives the same rows (``parallel_plan.split_frames``).
 3. **Encode**: each rank packs its share into its own buckets (the tower's ordinary call).
-4. **Gather** (``gather``): one ``all_gather_into_tensor`` of every rank's outputs side by side in one buffer
+4. **Agree** that every rank's encode succeeded (``rank_agreement.agree_on_success``): a rank whose share raised
+   makes every rank raise the same error instead of leaving the others in the gather.
+5. **Gather** (``gather``): one ``all_gather_into_tensor`` of every rank's outputs side by side in one buffer
    (``[merged rows, sum of field widths]``, ``last_hidden_state`` folded ``merge^2`` patch rows per merged row),
    each rank's rows padded to the largest rank's (row counts come from the grid), then cut back into the
    caller's item order. A rank with no item sends padding only.
@@ -24,20 +23,14 @@ back to the host. gloo supports ``all_gather_into_tensor`` on CPU tensors in eve
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["REFUSED", "Assignment", "LoadStats", "assign", "check_group", "gather", "grid_hash", "same_batch"]
+__all__ = ["Assignment", "LoadStats", "assign", "gather"]
 
 Rows = tuple[int, int, int]
-
-REFUSED = 1 << 62
-"""The check's key of a rank whose own input check failed: above every ``grid_hash``, so the others see a
-mismatch and raise too."""
 
 
 @dataclass(frozen=True)
@@ -70,39 +63,6 @@ def assign(grid: list[Rows] | tuple[Rows, ...], ranks: int) -> Assignment:
         items[rank].append(index)
         loads[rank] += sizes[index]
     return Assignment(tuple(tuple(sorted(share)) for share in items), tuple(loads))
-
-
-def grid_hash(grid: list[Rows] | tuple[Rows, ...]) -> int:
-    """A 62-bit hash of the grid rows, the same in every process (``hash()`` of a tuple is not)."""
-    text = ";".join(f"{t},{h},{w}" for t, h, w in grid)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-
-
-_CHECK_GROUPS: dict[Any, Any] = {}
-"""Per process group on an accelerator: a gloo group of the same ranks, for the per-call check."""
-
-
-def check_group(group, device: torch.device) -> tuple[Any, torch.device]:
-    """(group, device) the per-call check runs on: ``group`` itself on the CPU, or, for a group on an accelerator
-    (NCCL), a gloo group of the same ranks made at the group's first call (every rank makes its first call with the
-    same batch, so all make it together). The check's result is read on the host: on the accelerator that read would
-    wait for all the work queued before it (the previous call's gather among it), so the host could not queue the
-    next call's fill while the previous call's gather runs; on gloo it waits for the check alone."""
-    if device.type == "cpu":
-        return group, device
-    side = _CHECK_GROUPS.get(group)
-    if side is None:
-        ranks = dist.get_process_group_ranks(group)
-        side = _CHECK_GROUPS[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return side, torch.device("cpu")
-
-
-def same_batch(key: int, group, device: torch.device) -> bool:
-    """Whether every rank of ``group`` passed the same ``key``: one all-reduce (MAX of ``[key, -key]``)."""
-    both = torch.tensor([key, -key], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, negative_low = both.tolist()
-    return high == -negative_low
 
 
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

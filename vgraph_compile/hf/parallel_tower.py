@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vgraph_compile.hf import data_parallel, parallel_plan, sequence_parallel
+from vgraph_compile.hf import data_parallel, parallel_plan, rank_agreement, sequence_parallel
 from vgraph_compile.hf.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.packed_tower import metadata_leaves, rows_per_unit
@@ -65,15 +65,19 @@ class ParallelTower:
 
     def _serve_parallel(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """Every rank checks that all got the same batch, plans the call (``_plan``: a pure function of the grid, so
-        every rank runs the same collectives), encodes its share of the sequence-parallel items' rows and of the
-        data-parallel items, and gathers everyone's outputs."""
+        every rank runs the same collectives), encodes its share of the data-parallel items and cuts its slice of
+        the sequence-parallel items' rows, agrees that every rank succeeded, runs the sequence graphs (their
+        all-to-alls span the ranks), agrees again, and gathers everyone's outputs. A rank whose work raised makes
+        every rank raise at the next agreement (``rank_agreement.agree_on_success``), so none is left in a
+        collective the others skipped."""
         group = self.process_group
+        checks = rank_agreement.check_group(group, self.parameter.device)
         try:
             (pixel_values, grid), refused = self._check(pixel_values, grid_thw), None
         except Exception as error:  # whatever one rank's input raises, every rank learns it refused, and raises
             grid, refused = [], error
-        key = data_parallel.REFUSED if refused else data_parallel.grid_hash(grid)
-        agreed = data_parallel.same_batch(key, *data_parallel.check_group(group, self.parameter.device))
+        key = rank_agreement.REFUSED if refused else rank_agreement.grid_hash(grid)
+        agreed = rank_agreement.same_batch(key, *checks)
         if refused:
             raise refused
         if not agreed:
@@ -94,21 +98,39 @@ class ParallelTower:
             self._warm_up()
             return self._output(self._encode(pixel_values, grid))
         starts = row_starts(grid)
+        graphs = self._sequence_graphs() if plan.sequence else None
+        split = self._row_split(tuple(grid[i] for i in plan.sequence), ranks) if plan.sequence else None
+        failure = local = sliced = None
+        try:
+            if plan.data:
+                self._warm_up()
+                mine = [plan.data[i] for i in plan.assignment.items[rank]]
+                local = self._encode(_item_rows(pixel_values, starts, mine, len(grid)), [grid[i] for i in mine])
+            if plan.sequence:
+                rows = _item_rows(pixel_values, starts, plan.sequence, len(grid))
+                sliced = self._sequence_slice(rows, split, graphs)
+        except Exception as error:  # this rank's own work: every rank raises at the agreement, before a collective
+            failure = error
+        rank_agreement.agree_on_success(failure, *checks)
         parts = []
         if plan.sequence:
-            rows = _item_rows(pixel_values, starts, plan.sequence, len(grid))
-            split = self._row_split(tuple(grid[i] for i in plan.sequence), ranks)
-            parts.append((plan.sequence, self._encode_sequence(rows, split, self._sequence_graphs())))
+            try:
+                encoded = graphs.compiled(sliced[0], **sliced[1])
+            except Exception as error:  # after the last all-to-all: the others wait at the agreement, not the gather
+                failure = error
+            rank_agreement.agree_on_success(failure, *checks)
+            parts.append((plan.sequence, self._gather_sequence(list(encoded), split, graphs)))
         if plan.data:
-            self._warm_up()
-            mine = [plan.data[i] for i in plan.assignment.items[rank]]
-            local = self._encode(_item_rows(pixel_values, starts, mine, len(grid)), [grid[i] for i in mine])
-            unit, folds = rows_per_unit(self.interface.outputs)
+            unit, _ = rows_per_unit(self.interface.outputs)
             units = [(starts[i + 1] - starts[i]) // unit for i in plan.data]
-            flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
-            gathered = data_parallel.gather(local, flat_folds, units, plan.assignment, rank, group)
+            gathered = data_parallel.gather(local, self._flat_folds(), units, plan.assignment, rank, group)
             parts.append((plan.data, gathered))
         return self._output(self._merge(grid, parts))
+
+    def _flat_folds(self) -> list[int]:
+        """Rows per merged unit of each flat output field (``data_parallel.gather``'s ``folds``)."""
+        _, folds = rows_per_unit(self.interface.outputs)
+        return [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
 
     def _plan(self, grid: list[tuple[int, int, int]], ranks: int) -> parallel_plan.ParallelPlan:
         """Which items go sequence parallel, which data parallel and where: from ``parallel``, the grid and the
@@ -161,7 +183,9 @@ class ParallelTower:
 
     def _sequence_graphs(self) -> _SequenceGraphs:
         """The sequence trace over the current process group; made, and warmed up on every rank at once (each rank
-        one synthetic image of 2 x 2 windows), at the group's first sequence-parallel call."""
+        one synthetic image of 2 x 2 windows), at the group's first sequence-parallel call. Its runtimes serve no
+        call, the warm-up included, before the ranks agree on the buckets every one captured
+        (``rank_agreement.common_budgets``): the graphs hold the all-to-alls, so every rank must replay the same."""
         group = self.process_group
         if self.sequence_graphs is not None and self.sequence_graphs.group is group:
             return self.sequence_graphs
@@ -170,6 +194,10 @@ class ParallelTower:
         window_keys = self.vgraph_config.window_offsets
         window_inputs = traced_window_offsets(self.vgraph_config)
         config = sequence_parallel.sequence_config(self.vgraph_config, group.group_name, ranks, window_inputs)
+        checks, device = rank_agreement.check_group(group, self.parameter.device)
+
+        def agree(held: set[int]) -> set[int]:
+            return rank_agreement.common_budgets(held, self.vgraph_config.budgets, checks, device)
 
         def localize(grid: Grid, metadata: dict[str, Any]) -> dict[str, Any]:
             relations = self.interface.metadata_patches_per_row
@@ -180,16 +208,15 @@ class ParallelTower:
             group,
             rank,
             ranks,
-            self._encoder(config),
+            self._encoder(config, agree_buckets=agree),
             GridMetadata(self.tower, self.interface, self.grid_metadata.size, localize=localize),
         )
         self.__dict__["sequence_graphs"] = graphs
         side = 2 * self.geometry.spatial_merge_size * (self.geometry.merged_window or 1)
         grid = ((1, side, side),) * ranks
+        rows, metadata = self._sequence_slice(self._random_pixels(grid), self._row_split(grid, ranks), graphs)
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            self._encode_sequence(self._random_pixels(grid), self._row_split(grid, ranks), graphs)
-        for runtime in graphs.compiled.vgraph.runtimes:
-            sequence_parallel.agree_on_buckets(runtime, self.vgraph_config.budgets, group, self.parameter.device)
+            graphs.compiled(rows, **metadata)
         return graphs
 
     def close(self) -> None:
@@ -204,15 +231,19 @@ class ParallelTower:
                 runtime.release()
             self.__dict__["sequence_graphs"] = None
 
-    def _encode_sequence(
+    def _sequence_slice(
         self, pixel_values: torch.Tensor, split: sequence_parallel.Split, graphs: _SequenceGraphs
-    ) -> list[torch.Tensor]:
-        """The flat output fields of the whole batch, this rank encoding its slice of the rows."""
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The sequence graphs' inputs on this rank: its slice of the rows, padded (a new tensor: the graphs pin a
+        view's offset), and its grid metadata."""
         start, stop = split.rows(graphs.rank)
         padding = pixel_values.new_zeros(split.slice_rows - (stop - start), *pixel_values.shape[1:])
-        rows = torch.cat([pixel_values[start:stop], padding])  # a new tensor: the graphs pin a view's offset
-        local = graphs.compiled(rows, **graphs.grid_metadata(split.grid, pixel_values.device))
-        unit, folds = rows_per_unit(self.interface.outputs)
-        flat_folds = [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
-        return sequence_parallel.gather(list(local), flat_folds, unit, split, graphs.rank, graphs.group)
+        rows = torch.cat([pixel_values[start:stop], padding])
+        return rows, graphs.grid_metadata(split.grid, pixel_values.device)
 
+    def _gather_sequence(
+        self, local: list[torch.Tensor], split: sequence_parallel.Split, graphs: _SequenceGraphs
+    ) -> list[torch.Tensor]:
+        """The flat output fields of the whole batch from every rank's encoded slice."""
+        unit, _ = rows_per_unit(self.interface.outputs)
+        return sequence_parallel.gather(local, self._flat_folds(), unit, split, graphs.rank, graphs.group)

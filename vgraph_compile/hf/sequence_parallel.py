@@ -1,6 +1,6 @@
 """Sequence-parallel encoding over a ``torch.distributed`` process group: each rank encodes a slice of the rows.
 
-Every rank holds the whole tower and is called with the same full batch (checked as in ``data_parallel``). Per
+Every rank holds the whole tower and is called with the same full batch (checked by ``rank_agreement``). Per
 call, on every rank, with no communication but the attention's and the final gather:
 
 1. **Split** (``split_rows``): a pure function of the grid. The packed rows are cut into ``ranks`` contiguous slices:
@@ -18,10 +18,12 @@ call, on every rank, with no communication but the attention's and the final gat
    last entry is ``ranks * slice_rows`` (``kernels/sequence.py`` reads the slice size from it); an int that is no
    row count (a ``max_seqlen``) capped at ``slice_rows``, which bounds every window (each lies in one slice) and
    keeps the bucket choice on the local rows (a full-attention site bounds its segments by ``ranks`` x its rows).
-3. **Encode**: the tower's sequence graph (``rewrite/sequence_attention``: full attention over the group, one
-   all-to-all pair per layer, inside the captured graphs) on the local rows.
-4. **Gather** (``gather``): one ``all_gather_into_tensor`` of every rank's outputs (``data_parallel.gather``, one
-   "item" per rank), the padding dropped.
+3. **Encode**: once every rank cut its slice (``rank_agreement.agree_on_success``), the tower's sequence graph
+   (``rewrite/sequence_attention``: full attention over the group, one all-to-all pair per layer, inside the
+   captured graphs) on the local rows, from the buckets every rank captured (``rank_agreement.common_budgets``,
+   agreed before the graphs serve any call).
+4. **Gather** (``gather``): once every rank's graph returned (agreed again), one ``all_gather_into_tensor`` of every
+   rank's outputs (``data_parallel.gather``, one "item" per rank), the padding dropped.
 
 Covered: towers whose only row-mixing operations are varlen attention and row permutations by a metadata index
 within the slice (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). A metadata index that leaves its slice raises (``localize``).
@@ -32,20 +34,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
 from vgraph_compile.geometry import VisionGeometry
 from vgraph_compile.hf import data_parallel
 from vgraph_compile.hf.packed_tower import metadata_leaves
 
-__all__ = ["Split", "agree_on_buckets", "gather", "localize", "sequence_config", "split_rows"]
-
-log = logging.getLogger(__name__)
+__all__ = ["Split", "gather", "localize", "sequence_config", "split_rows"]
 
 Rows = tuple[int, int, int]
 
@@ -195,18 +193,3 @@ def sequence_config(config, group_name: str, ranks: int, window_inputs: tuple[st
         config, sequence_parallel=(group_name, ranks), window_offsets=window_inputs, call_choice="smallest_bucket"
     )
 
-
-def agree_on_buckets(runtime, budgets: tuple[int, ...], group, device: torch.device) -> None:
-    """Keep, on every rank, the buckets that every rank of ``group`` captured (a capture that ran out of memory
-    drops its bucket on that rank only): one all-reduce (MIN) of which of ``budgets`` each rank holds."""
-    held = {bucket.shape.budget for bucket in runtime.buckets}
-    mask = torch.tensor([budget in held for budget in budgets], dtype=torch.int32, device=device)
-    dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=group)
-    everywhere = {budget for budget, kept in zip(budgets, mask.tolist()) if kept}
-    if everywhere != held:
-        log.warning(
-            "sequence parallel: budgets %s are not captured on every rank; every rank serves from %s",
-            sorted(held - everywhere),
-            sorted(everywhere),
-        )
-        runtime.keep_buckets(everywhere)

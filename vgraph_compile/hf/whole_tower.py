@@ -149,11 +149,16 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         self.__dict__["_warmup_lock"] = threading.Lock()
         self.grid_metadata.clear()
 
-    def _encoder(self, config: VGraphConfig) -> CompiledEncoderFunction:
+    def _encoder(
+        self, config: VGraphConfig, agree_buckets: Callable[[set[int]], set[int]] | None = None
+    ) -> CompiledEncoderFunction:
         """The tower's traced call compiled by vgraph; every trace of it, the first or a retrace for a call that
-        the first trace does not cover, sees the attention routed, whichever blocks the tower has."""
+        the first trace does not cover, sees the attention routed, whichever blocks the tower has.
+        ``agree_buckets``: its runtimes' (``VGraphRuntime.agree_buckets``)."""
         call = TowerCall(self.tower, self.interface)
-        return CompiledEncoderFunction(call, config, around_trace=lambda: routed_attention(self.tower))
+        return CompiledEncoderFunction(
+            call, config, around_trace=lambda: routed_attention(self.tower), agree_buckets=agree_buckets
+        )
 
     @property
     def runtimes(self):

@@ -178,6 +178,10 @@ class VGraphRuntime:
         self._split_floors: dict[int, float] = {}
         self._fills: dict[int, fills.BucketFills] = {}
         """Per bucket budget: its buffers' fills (made at the bucket's first call)."""
+        self.agree_buckets: Callable[[set[int]], set[int]] | None = None
+        """Over a group of processes whose graphs hold collectives: the budgets to serve from, given those this
+        process captured (those every process captured, ``hf/rank_agreement.common_budgets``), asked once, after the
+        captures and before any call is served; None: the captured ones."""
         self.first_outputs: list[Any] | None = None
         """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
         encoder returns, then drops them); no other call's outputs are kept."""
@@ -190,7 +194,7 @@ class VGraphRuntime:
         """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured."""
         if self.encoder.captured:
             return False
-        self.encoder.warmup(lambda bucket: fills.empty_bucket(bucket, self.encoder.roles))
+        self.encoder.warmup(lambda bucket: fills.empty_bucket(bucket, self.encoder.roles), self.agree_buckets)
         self._measure_padding()
         self._measure_costs()
         return True
