@@ -21,6 +21,8 @@ from tests.hf.family_configs import REPORTED, check_served, serving_options, tin
 from tests.hf.test_families import REFUSED
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
+pytestmark = pytest.mark.heavy  # one slow test by default (inductor on a fresh cache): a worker takes it first
+
 SERVED = sorted(
     set(vision_utils_families()) - set(REFUSED) - set(test_block_graphs.SERVED) - set(test_block_graphs.REFUSED)
 )
