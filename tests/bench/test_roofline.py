@@ -143,7 +143,8 @@ def test_toy_run_times_every_case_and_request_with_its_route_kernels_and_rooflin
         assert split.attention > 0 and split.linear > 0 and row["flops"]["total"] == split.total
         assert row["roofline_ms"] == pytest.approx(split.roofline_ms, rel=1e-4)
         assert row["stock_ms"] > 0 and row["vgraph_ms"] > 0
-        assert row["speedup"] == pytest.approx(row["stock_ms"] / row["vgraph_ms"], rel=1e-2)
+        # rounded to 3 decimals: a slow vgraph row (speedup 0.037 on a loaded machine) is off by the rounding alone
+        assert row["speedup"] == pytest.approx(row["stock_ms"] / row["vgraph_ms"], rel=1e-2, abs=5e-4)
         assert row["rel_error_vs_stock"] < 1e-4  # fp32, the same ops
         assert set(row["route"]) <= {"replay", "split", "exact size", "stock", "eager", "stock tower",
                                      "several graph calls"}  # fmt: skip

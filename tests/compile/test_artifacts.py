@@ -1,6 +1,6 @@
 """Saved compiled encoders: a corrupt or foreign artifact is never used, and the build plan that needs it is
 rebuilt with it (a second process serving from both: ``tests/entry/test_warm_start.py``). Each test saves into its own
-``tmp_path``."""
+``tmp_path`` (a copy of the module's first save, where a test starts from one)."""
 
 import json
 import logging
@@ -44,10 +44,26 @@ FIRST = dict(traces=1, sites_found=1, nodes_rewritten=2, buckets_built=2, replay
 WARM = dict(plans_loaded=1, artifacts_loaded=1, buckets_built=2, replays=3)
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A directory holding what the first compile of the one-block encoder (seed 0, the default options) saved:
+    its artifact and two plans, made once for the tests that start from it (the key leaves out the directory)."""
+    directory = tmp_path_factory.mktemp("saved")
+    with counters.expect(**FIRST, compiles=1, artifacts_saved=1):
+        _serve(directory, seed=0)
+    return directory
+
+
+def _copy_of(saved: Path, directory: Path) -> None:
+    """The first save, as ``_serve(directory, seed=0)`` would have written it."""
+    shutil.copytree(saved, directory, dirs_exist_ok=True)
+    assert len(_artifacts(directory)) == 1 and len(list(directory.glob("*.plan"))) == 2
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage with its hash", "unreadable guards"])
-def test_a_corrupt_artifact_is_rebuilt(tmp_path, caplog, damage):
+def test_a_corrupt_artifact_is_rebuilt(saved, tmp_path, caplog, damage):
     """A damaged artifact is logged, compiled again and saved again, with the plans that named it; never loaded."""
-    _serve(tmp_path, seed=0)
+    _copy_of(saved, tmp_path)
     (binary,) = _artifacts(tmp_path)
     record = Path(f"{binary}.json")
     if damage == "truncated":
@@ -69,10 +85,10 @@ def test_a_corrupt_artifact_is_rebuilt(tmp_path, caplog, damage):
         _serve(tmp_path, seed=0)
 
 
-def test_an_artifact_of_another_model_or_config_is_never_used(tmp_path, caplog):
+def test_an_artifact_of_another_model_or_config_is_never_used(saved, tmp_path, caplog):
     """Other budgets or another width compile their own artifact; another model's artifact put under this key
     (a copied file) is refused by the key saved with it; the same model with other weights loads."""
-    _serve(tmp_path, seed=0)
+    _copy_of(saved, tmp_path)
     (first,) = _artifacts(tmp_path)
     with counters.expect(**{**FIRST, "buckets_built": 3}, compiles=1, artifacts_saved=1):
         _serve(tmp_path, seed=0, token_budgets=(16, 32, 64))
@@ -130,12 +146,12 @@ def test_a_loaded_artifact_keeps_its_size_guards(tmp_path):
     assert runtime.encoder.record.size_guards is not None and runtime.choices[exact] == len(CALLS)
 
 
-def test_a_saved_guard_that_reads_true_or_false_loads_as_a_sympy_boolean(tmp_path):
+def test_a_saved_guard_that_reads_true_or_false_loads_as_a_sympy_boolean(saved, tmp_path):
     """A size guard the ShapeEnv's replacements decided is saved as ``True`` or ``False``, which ``sympify`` parses
     to Python's bools; a later trace that loads the artifact (its build plans gone) reads them as sympy's (a Python
     bool has no ``xreplace``: that trace raised ``AttributeError``). ``False`` is kept: no size satisfies it, so
     no call runs the compiled code at its exact sizes."""
-    _serve(tmp_path, seed=0)
+    _copy_of(saved, tmp_path)
     (binary,) = _artifacts(tmp_path)
     record = Path(f"{binary}.json")
     meta = json.loads(record.read_text())

@@ -106,7 +106,7 @@ def test_a_compile_that_leaves_no_bucket_is_refused_naming_the_guards():
     ``BudgetRefused`` naming each budget, the guard in the user's names and what to do (it was ``max() arg is an
     empty sequence`` while allocating the buffers)."""
     torch.manual_seed(0)
-    model = WindowedViT(patch_dim=12, dim=16, depth=2, heads=2, out_dim=8, full_attention_blocks=()).eval()
+    model = WindowedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8, full_attention_blocks=()).eval()
     encoder = vgraph_compile.encoder(model, token_budgets=(64, 256), geometry=QWEN25_GEOMETRY, max_items=3,
                                      window_offsets=("cu_window_seqlens",))  # fmt: skip
     with torch.no_grad(), pytest.raises(BudgetRefused) as refused:

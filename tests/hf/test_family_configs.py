@@ -20,6 +20,8 @@ from tests.hf.family_configs import REPORTED, check_served, serving_options, tin
 from tests.hf.test_families import LOWER_TIERS
 from vgraph_compile.sample_models.vision_utils_towers import vision_utils_families
 
+pytestmark = pytest.mark.heavy  # one slow test by default (inductor on a fresh cache): a worker takes it first
+
 SERVED = sorted(set(vision_utils_families()) - LOWER_TIERS)
 """The families served by the whole-tower graph; the lower tiers' configs are drawn in ``test_block_graphs`` (with
 ``tower_sizes``; ``check_served`` reads the whole-tower encoder)."""

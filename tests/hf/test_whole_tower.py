@@ -15,6 +15,9 @@ from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.hf.whole_tower import asks_nothing
 from vgraph_compile.hf.packed_tower import learn_packed_tower
+from vgraph_compile.serve import call_costs
+from vgraph_compile.serve import runtime as runtime_module
+from vgraph_compile.serve.call_costs import CallCosts
 from vgraph_compile.sample_models.vision_utils_towers import build_tower
 
 # (t, h, w) in patches: images and short videos, thin strips, and the smallest 2x2 merged grid (4 x 4 patches)
@@ -292,10 +295,35 @@ def test_every_way_of_passing_pixels_and_grid_is_served_alike(towers, compiled, 
     torch.testing.assert_close(outputs[3][0], ref.to_tuple()[0], rtol=1e-5, atol=1e-5)
 
 
-def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(towers):
+MEASURED_COSTS = CallCosts(budgets=(128, 512), replay_ms=(2.0, 8.0), exact_ms=(3.0, 12.0))
+"""The cost table the measured-choice test decides on: each bucket's replay and the compiled code at its sizes, in
+ms, as the warm-up measures them on a quiet machine (the larger bucket four times the smaller)."""
+STOCK_MS = 0.5
+"""Every timed stock call of that test, in ms: below every other choice, as the toy tower's own forward on a few
+dozen rows is on the CPU."""
+
+
+def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(towers, monkeypatch):
     """With call_choice="measured", the first two calls of a bucket run the stock tower (its own sdpa attention,
     not vgraph's op), the second timed (the first is its cold start); every later call takes the cheapest of replay,
-    exact size and stock. Each equals the stock tower, and stats_table counts the choices."""
+    exact size and stock. Each equals the stock tower, and stats_table counts the choices.
+
+    The warm-up and the stock calls are timed for real, but the choice reads fixed times (``MEASURED_COSTS``,
+    ``STOCK_MS``): a timing taken on a loaded machine cannot change which route a call takes. A stock call no faster
+    than the 512 bucket would send the third call to a replay; a 96-row call further than a quarter from the timed
+    64-row one is timed again, so the stock module serves all four calls."""
+    measured = []
+
+    def fixed_costs(buckets, *args):
+        measured.append(call_costs.measure_call_costs(buckets, *args))  # the real timing of every bucket
+        return MEASURED_COSTS
+
+    def fixed_stock_ms(fn, *args, **kwargs):
+        call_costs.median_ms(fn, *args, **kwargs)  # the real stock call, timed
+        return STOCK_MS
+
+    monkeypatch.setattr(runtime_module, "measure_call_costs", fixed_costs)
+    monkeypatch.setattr(runtime_module, "median_ms", fixed_stock_ms)
     tower = towers["qwen3-vl"]
     served = compile_vision_tower(
         tower, token_budgets=[128, 512], max_items=3, max_frames=6, compiler="eager", call_choice="measured"
@@ -306,9 +334,12 @@ def test_measured_choice_serves_by_the_stock_tower_or_the_compiled_code_alike(to
             out = served(pixel_values, grid_thw)
             _assert_same(out, tower(pixel_values, grid_thw))
     (runtime,) = served.runtimes
+    assert [costs.budgets for costs in measured] == [MEASURED_COSTS.budgets] and runtime.costs == MEASURED_COSTS
     assert sum(runtime.choices.values()) == 5  # the four calls and the warm-up's synthetic image
-    assert runtime.choices["stock module"] >= 3  # the first two calls of bucket 128, the first of bucket 512
-    assert sorted(runtime.stock_ms) == [128]  # 512's one call was its cold start, untimed
+    # the first two calls of bucket 128 (cold, then timed), the first of bucket 512 (cold, untimed: a stock call of
+    # fewer rows took less than its replay), and the 96-row call (timed: past the reach of the 64-row timing)
+    assert runtime.choices["stock module"] == 4, runtime.choices
+    assert runtime.stock_ms == {128: [(64, STOCK_MS), (96, STOCK_MS)]}  # 512's one call was its cold start, untimed
     assert "per-call choice (measured): padded to the smallest bucket x" in served.stats_table()
 
 

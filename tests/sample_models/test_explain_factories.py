@@ -76,16 +76,21 @@ def test_windowed_vit_needs_no_torch_check(entry):
     geometry = {"geometry": explain_factories.QWEN25_GEOMETRY, "max_items": 3, "max_frames": 6, "max_segments": None}
     model, compiled = _compiled("windowed_vit", entry, token_budgets=(256, 1024), **geometry)
 
+    calls = []
+
     @given(grid=GRIDS)
     def check(grid):
         call = explain_factories.windowed_inputs(explain_factories.QWEN25_GEOMETRY, grid, 24)
+        calls.append(grid)
         with torch.no_grad():
             torch.testing.assert_close(compiled(*call), model(*call), rtol=1e-5, atol=1e-5)
 
     check()
     (runtime,) = [runtime for runtime in vgraph_compile.runtimes() if runtime.serial not in earlier]
     assert runtime.spec.format().splitlines()[0] == "tokens: 4*window_index.shape[0]"
-    assert runtime.hits >= 20, runtime.stats_table()  # calls with one window token retrace (dynamo fixes size 1)
+    # four in five calls replayed (20 of 25), and never more than 20 asked for: calls with one window token retrace
+    # (dynamo fixes size 1)
+    assert runtime.hits >= min(20, len(calls) * 4 // 5), runtime.stats_table()
 
 
 
