@@ -412,6 +412,9 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
     monkeypatch.setattr(bucket_graphs, "pool_bytes", lambda pool: 0)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
+    # padding costs timing no bucket: no call leaves the buckets for its exact sizes, whatever the machine's load
+    no_bucket_timed = PaddingCosts(budgets=(), empty_ms=(), full_ms=(), exact_host_ms=1.0)
+    monkeypatch.setattr("vgraph_compile.serve.runtime.measure_padding_costs", lambda *args: no_bucket_timed)
     compiled = vgraph_compile.encoder(
         model, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket"
     )
