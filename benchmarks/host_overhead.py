@@ -19,6 +19,7 @@ import vgraph_compile
 from vgraph_compile.bench.report import write_report
 from vgraph_compile.bench.timing import host_ms_per_call
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
+from vgraph_compile.serve import fills
 
 
 class _NoOpGraph:
@@ -30,7 +31,7 @@ class _NoOpGraph:
 
 def _host_only(runtime) -> None:
     for bucket in runtime.buckets:
-        bucket.fill_empty(runtime.encoder.roles)
+        fills.empty_bucket(bucket, runtime.encoder.roles)
         bucket.outputs = bucket.run(runtime.encoder.compiled)
         bucket.graph = _NoOpGraph()
 

@@ -31,8 +31,10 @@ on the host and never reads the tower's weights), cold (learned and saved) and w
 (``interface_s``, the slowest per N). It needs no GPU.
 
 With ``--host-only``, one process per packed tower on its cache directory (which may exist: a second run serves
-from the saved build plan) measures the host time per call alone, plus the host time of a bare ``replay()`` of
-the bucket that serves each case (``replay_us``), and its device time (``device_ms``).
+from the saved build plan) measures the host time per call alone (1x224^2, 4x336^2, 1x1344^2, 1x1792^2 and a
+448x672 image with an 8-frame 336^2 video; 1x224^2 also queued, 200 calls with no synchronize between them:
+``host_ms_queued``), plus the host time of a bare ``replay()`` of the bucket that serves each case (``replay_us``),
+and its device time (``device_ms``).
 
 Writes ``benchmarks/results/startup_<device>.json`` (``--json`` to choose), after each tower.
 
@@ -50,6 +52,7 @@ import cProfile
 import json
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import time
@@ -217,11 +220,21 @@ def interface_start(tower_kind: str, resize: dict, barrier: tuple[str, int, int]
     return {"interface_s": round(seconds, 3), **counted}
 
 
+HOST_CASES_PX = {
+    "1x1792^2": [(1, 1792, 1792)],
+    "448x672 + video 8f 336^2": [(1, 448, 672), (8, 336, 336)],
+}
+"""``--host-only``'s cases beside ``bench.workload.CASES_PX``'s (the host-time goals' largest image, and an image
+with a video), as (frames, height px, width px) per item."""
+
+
 def _case_input(config, case: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     from vgraph_compile.bench.workload import CASES_PX, to_grid
 
+    items_px = {**CASES_PX, **HOST_CASES_PX}[case]
+
     grid_thw = torch.tensor(
-        to_grid(CASES_PX[case], config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
+        to_grid(items_px, config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
     )
     width = config.in_channels * config.temporal_patch_size * config.patch_size**2
     x = torch.randn(int(grid_thw.prod(-1).sum()), width, device=device, dtype=torch.bfloat16)
@@ -243,7 +256,7 @@ def host_only(tower_kind: str, resize: dict, profile: bool = False) -> dict:
         tower.warmup()
     report = {"host_ms": {}, "replay_us": {}, "device_ms": {}, "host_profile": {}}
     with torch.inference_mode():
-        for case in ("1x224^2", "1x1344^2"):
+        for case in ("1x224^2", "4x336^2", "1x1344^2", "1x1792^2", "448x672 + video 8f 336^2"):
             x, grid_thw = _case_input(model.config, case, device)
             host_ms_per_call(lambda: tower(x, grid_thw), 10, device)
             report["host_ms"][case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 100, device), 3)
@@ -256,6 +269,13 @@ def host_only(tower_kind: str, resize: dict, profile: bool = False) -> dict:
                 bucket.stats.hits = 0
             if profile:
                 report["host_profile"][case] = _profile(lambda: tower(x, grid_thw), 200, device)
+        x, grid_thw = _case_input(model.config, "1x224^2", device)
+        samples = []
+        for _ in range(200):  # queued: no synchronize between calls, the device runs behind the host
+            begin = time.perf_counter()
+            tower(x, grid_thw)
+            samples.append((time.perf_counter() - begin) * 1e3)
+        report["host_ms_queued"] = {"1x224^2": round(statistics.median(samples), 3)}
     report["counters"] = {name: value for name, value in counters.snapshot().items() if value}
     report["queue"] = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES")
     if device == "cuda":

@@ -108,6 +108,23 @@ def test_bad_input_raises_before_anything_runs(towers, compiled, grid, rows, mes
         compiled["qwen2-vl"](torch.randn(16, width).numpy(), torch.tensor([(1, 4, 4)]))
 
 
+def test_a_grid_checked_once_is_served_alike_and_a_bad_one_raises_every_time(towers, compiled):
+    """A grid's later calls take its check from ``_checked_grids`` and equal its first call; a bad grid is never kept,
+    so it raises on every call; a new grid is checked and kept."""
+    tower, served = towers["qwen2.5-vl"], compiled["qwen2.5-vl"]
+    pixels, grid_thw = _inputs(tower, [(1, 4, 8), (2, 4, 4)])
+    with torch.no_grad():
+        first = served(pixels, grid_thw)
+        assert ((1, 4, 8), (2, 4, 4)) in served._checked_grids
+        _assert_same(served(pixels, grid_thw.clone()), first)
+        for _ in range(2):
+            with counters.expect(), pytest.raises(ValueError, match="multiples of the spatial merge size 2"):
+                served(torch.randn(20, pixels.shape[1]), torch.tensor([(1, 4, 5)]))
+        assert ((1, 4, 5),) not in served._checked_grids
+        new_pixels, new_grid = _inputs(tower, [(1, 8, 4)])
+        _assert_same(served(new_pixels, new_grid), tower(new_pixels, grid_thw=new_grid))
+
+
 def test_a_budget_the_tower_cannot_take_raises_not_a_slower_tier(towers):
     """A token budget that is no multiple of a merge unit (2 x 2 patches) is the caller's error: a ValueError
     naming it, before any compile, not the block-graph tier standing in for a tower that traces whole."""

@@ -343,6 +343,38 @@ def test_keyed_calls_take_their_metadata_from_the_bytes_staged_at_the_keys_first
     torch.testing.assert_close(out, model(*inputs["two images"]), rtol=1e-5, atol=1e-5)
 
 
+def test_a_keys_later_calls_are_served_straight_and_equal_the_checked_path(windowed, monkeypatch):
+    """A key's calls after its first replay skip the size checks and the bucket choice (``_keyed``): equal to the
+    same call unkeyed (checked, filled by the rules) and to eager; a new key is checked and kept; token rows of
+    another dtype take the checked path, whose ValueError comes before anything runs."""
+    from vgraph_compile.sample_models.explain_factories import QWEN25_GEOMETRY, windowed_inputs
+
+    model, compiled = windowed
+    grid, other = ((1, 8, 12), (1, 4, 4)), ((1, 4, 8),)
+    inputs = windowed_inputs(QWEN25_GEOMETRY, list(grid), 12)
+    with torch.no_grad():
+        unkeyed = compiled(*inputs)
+        compiled.call_keyed(grid, *inputs)
+        runtime = compiled.vgraph.runtimes[0]
+        assert grid in runtime._keyed
+        checked = []
+        check = runtime.checks.check
+        monkeypatch.setattr(runtime.checks, "check", lambda args: checked.append(1) or check(args))
+        fresh = (inputs[0].clone().normal_(), *inputs[1:])
+        with counters.expect(replays=2):
+            keyed = compiled.call_keyed(grid, *inputs)
+            keyed_fresh = compiled.call_keyed(grid, *fresh)
+        assert not checked
+        torch.testing.assert_close(keyed, unkeyed, rtol=0, atol=0)
+        torch.testing.assert_close(keyed_fresh, model(*fresh), rtol=1e-5, atol=1e-5)
+        other_inputs = windowed_inputs(QWEN25_GEOMETRY, list(other), 12)
+        out = compiled.call_keyed(other, *other_inputs)
+        torch.testing.assert_close(out, model(*other_inputs), rtol=1e-5, atol=1e-5)
+        assert checked and other in runtime._keyed
+        with pytest.raises(ValueError, match="float64"), counters.expect(replays=0):
+            compiled.call_keyed(grid, inputs[0].double(), *inputs[1:])
+
+
 class PackedInput(torch.nn.Module):
     """A model that builds FlashInfer's Q/K/O|V offsets itself and passes them in (as vLLM's Qwen2.5-VL does)."""
 

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 Parallel = Literal["data", "sequence", "auto"]
 
+_CHECKED_GRIDS = 4096
+"""At most this many checked grids remembered (``_checked_grid``; cleared past it)."""
 _MAX_ROWS = 2**31 - 1
 """The upper end of a metadata length's stated range (``_mark_sizes``): int32 offsets hold no more."""
 
@@ -147,6 +149,8 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         self.__dict__["replacement"] = None
         """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.__dict__["_warmup_lock"] = threading.Lock()
+        self.__dict__["_checked_grids"] = {}
+        """Grid (tuple of rows) -> (its rows as a list, its patch count), for the grids ``_checked_grid`` passed."""
         self.grid_metadata.clear()
 
     def _encoder(
@@ -199,7 +203,37 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
             )
         if grid_thw.is_floating_point():
             raise ValueError(f"{grid_name} must hold integers, got {grid_thw.dtype}")
-        grid = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+        grid, rows = self._checked_grid(grid_thw)
+        shape = self.interface.pixel_shape
+        leading = (1,) if self.interface.batched else ()
+        dims = tuple(pixel_values.shape)
+        if dims[: len(leading)] != leading or dims[len(leading) + 1 :] != shape:
+            raise ValueError(
+                f"{pixels} must be [{'1, ' * len(leading)}patches, {', '.join(map(str, shape))}] (the processor's "
+                f"patch rows), got {tuple(pixel_values.shape)}"
+            )
+        if pixel_values.shape[len(leading)] != rows:
+            raise ValueError(
+                f"{pixels} has {pixel_values.shape[len(leading)]} rows but {grid_name} describes sum(t*h*w) = {rows} "
+                "patches: pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
+            )
+        parameter = self.parameter
+        if pixel_values.device != parameter.device or pixel_values.dtype != parameter.dtype:
+            raise ValueError(
+                f"{pixels} is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
+                f"on {parameter.device}: convert with {pixels}.to(tower.device, tower.dtype)"
+            )
+        return (pixel_values[0] if leading else pixel_values), grid
+
+    def _checked_grid(self, grid_thw: torch.Tensor) -> tuple[list[tuple[int, int, int]], int]:
+        """(the grid's rows as (t, h, w) ints, its patch count), or a ValueError; each distinct grid is checked once
+        (``_checked_grids``, bounded), its later calls take the list and count kept then (never changed in place)."""
+        values = grid_thw.tolist()
+        checked = self._checked_grids.get(tuple(map(tuple, values)))
+        if checked is not None:
+            return checked
+        grid = [tuple(int(v) for v in row) for row in values]
+        grid_name = self.interface.grid_argument
         merge = self.geometry.spatial_merge_size
         for index, (t, h, w) in enumerate(grid):
             if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
@@ -215,27 +249,11 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
                 f"{type(self.tower).__name__} serves images only (t = 1): {video_failure}. Pass videos one frame per "
                 "row, as its model's get_video_features does"
             )
-        shape = self.interface.pixel_shape
-        leading = (1,) if self.interface.batched else ()
-        dims = tuple(pixel_values.shape)
-        if dims[: len(leading)] != leading or dims[len(leading) + 1 :] != shape:
-            raise ValueError(
-                f"{pixels} must be [{'1, ' * len(leading)}patches, {', '.join(map(str, shape))}] (the processor's "
-                f"patch rows), got {tuple(pixel_values.shape)}"
-            )
-        rows = sum(t * h * w for t, h, w in grid)
-        if pixel_values.shape[len(leading)] != rows:
-            raise ValueError(
-                f"{pixels} has {pixel_values.shape[len(leading)]} rows but {grid_name} describes sum(t*h*w) = {rows} "
-                "patches: pass the pixel_values and image_grid_thw/video_grid_thw of the same processor call"
-            )
-        parameter = self.parameter
-        if pixel_values.device != parameter.device or pixel_values.dtype != parameter.dtype:
-            raise ValueError(
-                f"{pixels} is {pixel_values.dtype} on {pixel_values.device} but the tower is {parameter.dtype} "
-                f"on {parameter.device}: convert with {pixels}.to(tower.device, tower.dtype)"
-            )
-        return (pixel_values[0] if leading else pixel_values), grid
+        checked = grid, sum(t * h * w for t, h, w in grid)
+        if len(self._checked_grids) >= _CHECKED_GRIDS:
+            self._checked_grids.clear()
+        self._checked_grids[tuple(grid)] = checked
+        return checked
 
     # -- per call ----------------------------------------------------------------------------------------------
     def warmup(self) -> None:

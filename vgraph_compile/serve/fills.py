@@ -8,11 +8,13 @@ is on the per-call path: a copy and at most one padding op, none when the input 
 ``RowFills`` batches the common case (``ZEROS`` padded along dim 0 only, the token rows) of every buffer of one
 call: their copies, together with any other byte copies (a staged metadata region), go in one
 ``torch._foreach_copy_`` and their zero tails in one ``torch._foreach_zero_``, over byte views, so a call costs
-two launches for all of them instead of two per buffer. ``BucketFills`` holds one bucket's rules, looked up once.
+two launches for all of them instead of two per buffer. ``BucketFills`` holds one bucket's rules, looked up once;
+``StagedFill`` is its fill for the calls of one key at one set of sizes, every view made once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -20,7 +22,10 @@ import torch
 from vgraph_compile.compile.buckets import Bucket
 from vgraph_compile.spec import Role
 
-__all__ = ["BucketFills", "fill", "fill_empty", "empty_bucket", "RowFills", "RULES", "WRITTEN_SIZE_ROLES", "ZEROS"]
+__all__ = [
+    "BucketFills", "fill", "fill_empty", "empty_bucket", "RowFills", "RULES", "StagedFill", "WRITTEN_SIZE_ROLES",
+    "ZEROS",
+]
 
 _ROW_VIEWS = 4096
 """At most this many cached row views per bucket (``BucketFills.row_views``; cleared past it)."""
@@ -56,14 +61,25 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.view(torch.uint8)
 
 
+def _row_views(views: dict, index: int, buffer: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The byte views of ``buffer``'s first ``rows`` rows and of the rest (None when the rows fill it), cached in
+    ``views`` per (input index, rows). Made outside inference mode: a dtype view made under
+    ``torch.inference_mode`` is an inference tensor, which a later call under ``no_grad`` could not write."""
+    cached = views.get((index, rows))
+    if cached is None:
+        with torch.inference_mode(False):
+            tail = _bytes(buffer[rows:]) if rows < buffer.shape[0] else None
+            cached = views[index, rows] = (_bytes(buffer[:rows]), tail)
+    return cached
+
+
 class RowFills:
     """One call's batched fills: ``add`` the buffers padded with zeros along dim 0 and other byte copies, then
     ``run`` them in one copy launch and one zero launch (``torch._foreach_copy_``, ``torch._foreach_zero_``; both
     fall back to a copy per tensor where the fast path does not apply, with the same result).
 
-    ``views`` caches, per (buffer, rows), the byte views of the buffer's first ``rows`` rows and of the rest, so
-    a call slices nothing it sliced before. They are made outside inference mode: a dtype view made under
-    ``torch.inference_mode`` is an inference tensor, which a later call under ``no_grad`` could not write."""
+    ``views`` caches, per (buffer, rows), the byte views of the buffer's first ``rows`` rows and of the rest
+    (``_row_views``), so a call slices nothing it sliced before."""
 
     def __init__(self, views: dict) -> None:
         self.views = views
@@ -79,13 +95,7 @@ class RowFills:
         source = _bytes(value)
         if source is None:
             return False
-        rows = value.shape[0]
-        views = self.views.get((index, rows))
-        if views is None:
-            with torch.inference_mode(False):
-                tail = _bytes(buffer[rows:]) if rows < buffer.shape[0] else None
-                views = self.views[index, rows] = (_bytes(buffer[:rows]), tail)
-        destination, tail = views
+        destination, tail = _row_views(self.views, index, buffer, value.shape[0])
         self.destinations.append(destination)
         self.sources.append(source)
         if tail is not None:
@@ -180,6 +190,21 @@ class BucketFills:
         self.row_views: dict = {}
         """(input index, rows) -> the byte views ``RowFills`` copies into and zeroes (made once per rows)."""
 
+    def staged_fill(self, args: Sequence[torch.Tensor], staged: torch.Tensor) -> StagedFill | None:
+        """The fill of calls whose token inputs have the shapes of ``args``'s and whose metadata is ``staged``; None
+        where some token buffer is not padded with zeros along its rows alone (its rule runs per call)."""
+        tokens, destinations, tails = [], [], []
+        for rule, buffer, index in self.token_rules:
+            value = args[index]
+            if rule is not ZEROS or value.dim() == 0 or buffer.shape[1:] != value.shape[1:]:
+                return None
+            destination, tail = _row_views(self.row_views, index, buffer, value.shape[0])
+            tokens.append(index)
+            destinations.append(destination)
+            if tail is not None:
+                tails.append(tail)
+        return StagedFill(tuple(tokens), [*destinations, self.bucket.region], staged, tails)
+
     def fill(self, args: Sequence[torch.Tensor], written: Mapping[int, int], staged: torch.Tensor | None = None) -> None:
         """Fill every buffer from a call's graph inputs by its role's rule; ``written`` gives, per input of
         ``WRITTEN_SIZE_ROLES``, the call's real size of the dim it writes (``CallPlan.written``). With ``staged``
@@ -197,3 +222,30 @@ class BucketFills:
         batch.run()
         if len(self.row_views) > _ROW_VIEWS:
             self.row_views.clear()
+
+
+@dataclass(frozen=True)
+class StagedFill:
+    """One bucket's fill for the calls of one key (``BucketFills.staged_fill``): each token input's rows copied as
+    bytes into its buffer's first rows and the key's staged metadata bytes into the region, in one copy launch, and
+    the token buffers' padding rows zeroed in one more. Every view is made once; valid for token inputs of the
+    shapes it was made for (the caller checks them)."""
+
+    tokens: tuple[int, ...]
+    """The graph input index of each token input, in the order of ``destinations``."""
+    destinations: list[torch.Tensor]
+    """The byte views of each token buffer's first rows, then the bucket's region."""
+    staged: torch.Tensor
+    tails: list[torch.Tensor]
+
+    def fill(self, args: Sequence[torch.Tensor]) -> bool:
+        """Fill the bucket from a call's graph inputs; False, with nothing written, where a token input has no byte
+        view (a last dim that is not contiguous: the rules fill it)."""
+        sources = [_bytes(args[index]) for index in self.tokens]
+        if any(source is None for source in sources):
+            return False
+        sources.append(self.staged)
+        torch._foreach_copy_(self.destinations, sources)
+        if self.tails:
+            torch._foreach_zero_(self.tails)
+        return True

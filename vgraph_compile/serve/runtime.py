@@ -3,9 +3,10 @@
 Per call: read the real sizes from the inputs, validate them (before anything runs), choose the smallest bucket
 that holds every size, then, holding the runtime's lock: fill the bucket's buffers by each input's padding rule
 (a keyed call's metadata by one copy of the bytes staged at its key's first call), replay (or run) the bucket,
-narrow the outputs to the real sizes and copy them out. A call no bucket holds runs
-the traced graph eagerly, counted and logged once per reason; so does a call that needs autograd (the buckets
-are inference-only).
+narrow the outputs to the real sizes and copy them out. A later call of a key under ``smallest_bucket`` is a
+straight line: its token inputs checked against the key's first replay, whose plan, bucket and fill views it reuses.
+A call no bucket holds runs the traced graph eagerly, counted and logged once per reason; so does a call that needs
+autograd (the buckets are inference-only).
 
 Under ``smallest_bucket`` and ``measured`` alike, a call runs the compiled code at its exact sizes instead (where
 its size guards allow) when its padding rows would cost more than that code's host launch can lose
@@ -100,6 +101,18 @@ class StockServed:
 
 
 @dataclass(frozen=True)
+class _KeyedReplay:
+    """How the later calls of a key are served (``_serve_keyed``): the plan and bucket of the key's first replay,
+    its staged fill, and the shape, dtype and device of each token input, which a later call must match to take
+    them; every other input is the key's promise."""
+
+    plan: CallPlan
+    bucket: Bucket
+    fill: fills.StagedFill
+    tokens: tuple[tuple[int, torch.Size, torch.dtype, torch.device], ...]
+
+
+@dataclass(frozen=True)
 class _Split:
     """A call cut at ``segment``: each half's graph inputs, plan and bucket, and the table's cost of the two."""
 
@@ -135,6 +148,8 @@ class VGraphRuntime:
         """(budget, call sizes) -> the captured outputs narrowed to those sizes (views of static tensors)."""
         self._staged: dict[tuple[Hashable, int], torch.Tensor] = {}
         """(call key, budget) -> the bucket's metadata bytes as that key's first call filled them."""
+        self._keyed: dict[Hashable, _KeyedReplay] = {}
+        """Call key -> how its later calls are served under ``smallest_bucket`` (cleared with ``_staged``)."""
         self._lock = threading.Lock()
         self._last_stream: torch.cuda.Stream | None = None
         """The stream the previous call's work was queued on (CUDA)."""
@@ -259,7 +274,7 @@ class VGraphRuntime:
     def _forget_buckets(self) -> None:
         """Drop every cache that holds a bucket, its buffers or a choice among the buckets (under the lock)."""
         caches = (self._chosen, self._views, self._routes, self._exact, self._exact_first_choices, self._fills)
-        for cache in (*caches, self._staged):
+        for cache in (*caches, self._staged, self._keyed):
             cache.clear()
         self._split_floors.clear()
 
@@ -553,7 +568,16 @@ class VGraphRuntime:
         """Serve one call of graph inputs ``args``. A ``key`` promises that every input but the token rows equals
         that of any earlier call with the same key (the HF towers pass the grid, whose metadata vgraph caches): the
         bucket's metadata then takes the bytes staged at that call, in one copy. ``stock`` runs the user's own module
-        on this call (the caller's arguments); with a cost table, the call may take it (``StockServed``)."""
+        on this call (the caller's arguments); with a cost table, the call may take it (``StockServed``).
+
+        A key replayed before under ``smallest_bucket`` takes that replay's plan, bucket and fill as they are, with no
+        size check, bucket choice or fill rule (``_serve_keyed``), when its token inputs match that call's."""
+        if key is not None and self.call_choice == "smallest_bucket" and not torch.is_grad_enabled():
+            keyed = self._keyed.get(key)
+            if keyed is not None:
+                results = self._serve_keyed(keyed, args)
+                if results is not None:
+                    return results
         plan = self.checks.check(args)
         grad = torch.is_grad_enabled()
         if grad and (self._parameters_need_grad or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
@@ -600,14 +624,39 @@ class VGraphRuntime:
             self._on_call_stream()
             self._fill(bucket, args, plan, key)
             results = self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
-            bucket.stats.hits += 1
-            bucket.stats.real_tokens += plan.tokens
-            counters.replays += 1
+            self._count_replay(bucket, plan)
         return results
+
+    def _serve_keyed(self, keyed: _KeyedReplay, args: Sequence[Any]) -> list[Any] | None:
+        """A call of a key served before: its token inputs checked against that call's (their shape, dtype and
+        device: with the key's promise for the rest, the call's sizes, plan and bucket are that call's), then its
+        staged fill, the replay and the copy-out, holding the lock. None, with nothing run, where a token input
+        differs or has no byte view: the call takes the general path, which checks it."""
+        for index, shape, dtype, device in keyed.tokens:
+            value = args[index]
+            if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (shape, dtype, device):
+                return None
+        bucket, plan = keyed.bucket, keyed.plan
+        with self._lock:
+            self._on_call_stream()
+            if not keyed.fill.fill(args):
+                return None
+            results = self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
+            self._count_replay(bucket, plan)
+        self._remember_first(results)
+        return results
+
+    @staticmethod
+    def _count_replay(bucket: Bucket, plan: CallPlan) -> None:
+        bucket.stats.hits += 1
+        bucket.stats.real_tokens += plan.tokens
+        counters.replays += 1
 
     def _fill(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable) -> None:
         """Every buffer, every call: an unkeyed call's metadata too (a tensor can change without its version
-        counter moving). A keyed call's metadata comes from the bytes staged at the key's first call here."""
+        counter moving). A keyed call's metadata comes from the bytes staged at the key's first call here, and the
+        key's later calls are served as this one (``_keyed``; not where an input is a folded constant, which is
+        checked per call)."""
         bucket_fills = self._fills.get(bucket.shape.budget)
         if bucket_fills is None:
             bucket_fills = self._fills[bucket.shape.budget] = fills.BucketFills(bucket, self.encoder.roles)
@@ -617,11 +666,17 @@ class VGraphRuntime:
         staged = self._staged.get((key, bucket.shape.budget))
         if staged is not None:
             bucket_fills.fill(args, plan.written, staged)
-            return
-        bucket_fills.fill(args, plan.written)
-        if len(self._staged) >= _STAGED_CACHE_SIZE:
-            self._staged.clear()
-        self._staged[key, bucket.shape.budget] = bucket.region.clone()
+        else:
+            bucket_fills.fill(args, plan.written)
+            if len(self._staged) >= _STAGED_CACHE_SIZE:
+                self._staged.clear()
+                self._keyed.clear()
+            staged = self._staged[key, bucket.shape.budget] = bucket.region.clone()
+        if key not in self._keyed and not self.encoder.folded:
+            fill = bucket_fills.staged_fill(args, staged)
+            if fill is not None:
+                tokens = tuple((i, args[i].shape, args[i].dtype, args[i].device) for i in fill.tokens)
+                self._keyed[key] = _KeyedReplay(plan, bucket, fill, tokens)
 
     # -- reporting ---------------------------------------------------------------------------------------------
     def stats_table(self) -> str:
