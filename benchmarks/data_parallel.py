@@ -10,10 +10,10 @@ request's latency is the slowest rank's, from a common start). Each group is a f
 ``--parallel`` picks the mode of the N-rank groups for that trace (``data``, ``sequence`` or ``auto``: per call).
 Before the trace, the first ``--error-requests`` requests are encoded in each of ``--error-modes`` (default: the
 trace's mode) and compared with the same rank alone: per mode each call was served in (``data``, ``sequence``,
-``sequence+data``), the relative error (``hf/parallel_error.relative_error``: the norm of the difference over the
+``sequence+data``), the relative error (``hf/parallel/parallel_error.relative_error``: the norm of the difference over the
 norm of the one-rank output, every field of a call together; max and median over calls), one rank's own error
 against the stock tower in float64 on the same request, and the bound, ``ERROR_BOUND_FACTOR`` times that own error
-(``hf/parallel_error``), checked per call (``error_vs_one_rank``). ``--towers`` picks the towers of the trace (one
+(``hf/parallel/parallel_error``), checked per call (``error_vs_one_rank``). ``--towers`` picks the towers of the trace (one
 group per tower and group size; the report's ``groups`` per tower) and of ``--sequence``.
 With ``--sequence``, also one large item on 1 vs N GPUs, sequence parallel: the latency of 1x1344^2, 1x1792^2 and a
 16-frame 448^2 video for each tower (released sizes), each group compiled with buckets of
@@ -54,9 +54,9 @@ from vgraph_compile.bench.result import Result
 from vgraph_compile.bench.timing import synchronize
 from vgraph_compile.bench.workload import random_requests, to_grid
 from vgraph_compile.hf import compile_vision_tower
-from vgraph_compile.hf.packed_tower import config_geometry
-from vgraph_compile.hf.parallel_error import ERROR_BOUND_FACTOR, Float64Reference, output_fields, relative_error
-from vgraph_compile.hf.sequence_parallel import split_rows
+from vgraph_compile.hf.interface.packed_tower import config_geometry
+from vgraph_compile.hf.parallel.parallel_error import ERROR_BOUND_FACTOR, Float64Reference, output_fields, relative_error
+from vgraph_compile.hf.parallel.sequence_parallel import split_rows
 
 TINY_OPTIONS = dict(token_budgets=[256, 1280], max_items=4, compiler="eager", attention_backend="sdpa")
 SEQUENCE_ITEMS = {"1x1344^2": [(1, 1344, 1344)], "1x1792^2": [(1, 1792, 1792)], "video 16x448^2": [(16, 448, 448)]}

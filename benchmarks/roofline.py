@@ -82,7 +82,7 @@ from vgraph_compile.bench.tile_towers import TILE_TOWERS, build_tile_tower
 from vgraph_compile.bench.timing import median_ms, synchronize
 from vgraph_compile.bench.workload import CASES_PX, random_requests, to_grid
 from vgraph_compile.hf import compile_vision_tower
-from vgraph_compile.hf.tiles import compile_tile_tower
+from vgraph_compile.hf.whole_graph.tiles import compile_tile_tower
 from vgraph_compile.serve.runtime import EXACT, PADDED, SPLIT, STOCK
 from vgraph_compile.symbolic import evaluate
 

@@ -205,7 +205,7 @@ def interface_start(tower_kind: str, resize: dict, barrier: tuple[str, int, int]
     """One process's interface of the released-size ``tower_kind`` (built on the meta device): learned and saved in
     the run's directory, or loaded from it."""
     from vgraph_compile.counters import counters
-    from vgraph_compile.hf.tower_interfaces import tower_interface
+    from vgraph_compile.hf.interface.tower_interfaces import tower_interface
     from vgraph_compile.sample_models.qwen_towers import qwen_tower
 
     with torch.device("meta"):

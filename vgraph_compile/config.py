@@ -104,11 +104,11 @@ class VGraphConfig:
     sequence_parallel: tuple[str, int] | None = None
     """(process group name, ranks): every rank holds a slice of the packed rows, and the full-attention sites (every
     group but the ``window_offsets`` ones) attend over the group's ranks (``rewrite/sequence_attention``). Set by
-    ``CompiledVisionTower`` in sequence mode (``hf/sequence_parallel``); None: one process holds all rows."""
+    ``CompiledVisionTower`` in sequence mode (``hf/parallel/sequence_parallel``); None: one process holds all rows."""
     static_rows: bool = False
     """The trace is static: it serves calls of exactly its one budget (``token_budgets=(rows,)``, the traced row
     count) from a static compile, with no padding. Set by ``CompiledTileTower`` for its one-tile graph, when the
-    trace dynamic in the tile count cannot run one tile (``hf/tiles``); False: the token rows are symbolic."""
+    trace dynamic in the tile count cannot run one tile (``hf/whole_graph/tiles``); False: the token rows are symbolic."""
     artifact_dir: str | None = None
     """Directory of saved compiled encoders (``compile/artifacts``): the first process saves the inductor compile,
     later ones load it instead of compiling. None: the ``VGRAPH_ARTIFACT_DIR`` environment variable, else

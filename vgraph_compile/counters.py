@@ -45,9 +45,9 @@ class Counters:
     plans_loaded: int = 0
     """Encoders served from a saved build plan: no trace, no analyses, no compile."""
     probe_forwards: int = 0
-    """Eager forwards run to learn a packed tower's interface (``hf/packed_tower``; none when it is loaded)."""
+    """Eager forwards run to learn a packed tower's interface (``hf/interface/packed_tower``; none when it is loaded)."""
     interfaces_loaded: int = 0
-    """Packed towers' interfaces loaded from a saved entry instead of probed (``hf/tower_interfaces``)."""
+    """Packed towers' interfaces loaded from a saved entry instead of probed (``hf/interface/tower_interfaces``)."""
     buckets_built: int = 0
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0
@@ -62,7 +62,7 @@ class Counters:
     """Calls that fit no bucket and ran the traced graph eagerly."""
     exact_size_calls: int = 0
     """Calls a tower's forward compiled at the call's exact sizes served (the tier of last resort:
-    ``hf/exact_size_tower``)."""
+    ``hf/exact_size/exact_size_tower``)."""
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -82,7 +82,7 @@ counters = Counters()
 
 
 PHASES = {
-    "interface": "a packed tower's interface: probed on its shrunk tower, or loaded (``hf/tower_interfaces``)",
+    "interface": "a packed tower's interface: probed on its shrunk tower, or loaded (``hf/interface/tower_interfaces``)",
     "plan_load": "a saved build plan or graph plan and its compiled artifact loaded (``warm_start``)",
     "trace": "dynamo's trace and what the backend does besides the stages below",
     "analyze": "the pipeline's analyses: sites, roles, relations and bounds (``analyze``)",

@@ -4,8 +4,8 @@ import torch
 from vgraph_compile.bench.oracle import ExactShape
 from vgraph_compile.bench.timing import cuda_graph_captures
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.grid_metadata import GridMetadata
-from vgraph_compile.hf.packed_tower import learn_packed_tower
+from vgraph_compile.hf.interface.grid_metadata import GridMetadata
+from vgraph_compile.hf.interface.packed_tower import learn_packed_tower
 
 
 def test_exact_shape_graph_equals_the_routed_tower_and_serves_its_grid_only(bench_tower):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vgraph_compile.counters import counters
-from vgraph_compile.hf.tiles import compile_tile_tower
+from vgraph_compile.hf.whole_graph.tiles import compile_tile_tower
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers", minversion="5.23")

@@ -36,10 +36,10 @@ import torch.distributed as dist
 from vgraph_compile.sample_models.qwen_towers import REAL_SIZES
 
 CHECK_MODULES = (
-    "tests.hf.test_data_parallel",
-    "tests.hf.test_sequence_parallel",
-    "tests.hf.test_rank_agreement",
-    "tests.hf.test_parallel_error",
+    "tests.hf.parallel.test_data_parallel",
+    "tests.hf.parallel.test_sequence_parallel",
+    "tests.hf.parallel.test_rank_agreement",
+    "tests.hf.parallel.test_parallel_error",
 )
 PRELOAD = (
     __name__,

@@ -10,7 +10,8 @@ import torch
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.sample_models.vision_utils_towers import build_tower, vision_utils_families
-from tests.hf import test_block_graphs, test_exact_size_tower
+from tests.hf.blocks import test_block_graphs
+from tests.hf.exact_size import test_exact_size_tower
 
 LOWER_TIERS = {*test_block_graphs.SERVED, *test_exact_size_tower.FIXED_TILES}
 """Families the whole-tower graph refuses, served by block graphs (``test_block_graphs``) or by the exact-size code

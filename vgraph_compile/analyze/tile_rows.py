@@ -22,7 +22,7 @@ A tiled input reaching an op with no rule, or a rule's use that mixes rows (batc
 tiles, a sum over dim 0, an index into the tile dim), is refused with a ValueError naming the node. Every output
 must have its rows in dim 0. The spec (``ctx.spec``) has no varlen sites: its token rows are N, so
 ``bounds`` makes one bucket per budget of tiles, and the inputs with N in dim 0 are TOKENS (padded with zeros).
-A static trace (``VGraphConfig.static_rows``: a fixed-tile tower's one-tile graph, ``hf/tiles``) has its one
+A static trace (``VGraphConfig.static_rows``: a fixed-tile tower's one-tile graph, ``hf/whole_graph/tiles``) has its one
 budget as its token rows and serves calls of exactly that many tiles: nothing is padded, so it needs no proof.
 """
 
@@ -595,7 +595,7 @@ def _untiled(node: torch.fx.Node) -> RowDim:
 
 def _reachable_budgets(ctx: PassContext, tiles: sympy.Expr, simplify) -> "VGraphConfig":
     """The config without the tile counts the trace's guards on N alone exclude: a call of such a count pads to
-    the next bucket (``hf/tiles`` gives one tile a static graph of its own instead). Each excluded count is
+    the next bucket (``hf/whole_graph/tiles`` gives one tile a static graph of its own instead). Each excluded count is
     recorded in ``ctx.dropped`` with the guard and its op, and counted. The one known case: SigLIP's MAP head calls
     ``F.multi_head_attention_forward``, whose key projection is a linear of a transposed ``[L, N, E]`` view;
     ``at::native::linear`` asks whether that view is contiguous, and with every size hinted c10's contiguity

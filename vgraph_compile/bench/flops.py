@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vgraph_compile.bench.timing import median_ms
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.packed_tower import PackedTower, learn_packed_tower
+from vgraph_compile.hf.interface.packed_tower import PackedTower, learn_packed_tower
 
 __all__ = [
     "ATTENTION_TFLOPS",

@@ -11,8 +11,8 @@ from vgraph_compile.bench.result import AfterWarmup, Result
 from vgraph_compile.bench.timing import check_deadline, host_ms_per_call, median_ms, synchronize
 from vgraph_compile.bench.workload import Workload
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.grid_metadata import Grid, GridMetadata, grid_of
-from vgraph_compile.hf.tower_call import TowerCall
+from vgraph_compile.hf.interface.grid_metadata import Grid, GridMetadata, grid_of
+from vgraph_compile.hf.whole_graph.tower_call import TowerCall
 
 __all__ = ["ExactShape", "measure_oracle"]
 

@@ -8,8 +8,8 @@ import torch
 
 from vgraph_compile.bench.workload import Workload
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.grid_metadata import GridMetadata, grid_of
-from vgraph_compile.hf.tower_call import TowerCall
+from vgraph_compile.hf.interface.grid_metadata import GridMetadata, grid_of
+from vgraph_compile.hf.whole_graph.tower_call import TowerCall
 from vgraph_compile.hf.vlm import compile_vision_tower
 
 __all__ = ["SYSTEMS", "NEEDS_CUDA", "routed_compile", "factories"]

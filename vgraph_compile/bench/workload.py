@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vgraph_compile.hf.packed_tower import PackedTower, learn_packed_tower
+from vgraph_compile.hf.interface.packed_tower import PackedTower, learn_packed_tower
 
 __all__ = ["CASES_PX", "to_grid", "random_requests", "Workload"]
 

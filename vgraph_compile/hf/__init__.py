@@ -14,23 +14,23 @@ output object), from CUDA graphs. A tower whose stock forward fails on videos is
 video call is refused with the reason. Requires transformers >= 5.23 (the towers accept precomputed grid metadata
 as keywords).
 
-Order, and why (from the bottom up):
-1. ``attention`` (the towers' attention routed to vgraph's op); ``grid_metadata`` and ``metadata_plan`` (the
-   host-side grid metadata, computed once per grid); ``stand_in`` and ``packed_tower`` (the tower's interface,
-   learned from the tower); ``batching`` (items packed into budgets) and ``outputs`` (scattered back per item).
-2. The tiers: ``tower_call`` and ``whole_tower`` (tier 1: the whole forward one graph) with ``parallel_plan``,
-   ``data_parallel``, ``sequence_parallel`` and ``parallel_tower`` (its modes over a process group); ``tiles`` (tier
-   1 for fixed-tile towers); ``block_program`` and ``block_graphs`` (tier 2: the block stack as graphs, the glue as
-   written); ``exact_size_tower`` (tier 3: the forward compiled per call signature, measured against stock).
+The tree, each tier a folder (from the bottom up):
+1. Shared by every tier: ``attention`` (the towers' attention routed to vgraph's op), ``stand_in`` (what a
+   compiled tower shares with the stock one), ``outputs`` (the tower's output object per call), and
+   ``interface/`` (what vgraph learns about a packed tower: its arguments, layout, geometry, and its grid metadata
+   computed on the host once per grid).
+2. The tiers: ``whole_graph/`` (tier 1: the whole forward one graph; packed towers and fixed tiles) with
+   ``parallel/`` (its modes over a process group); ``blocks/`` (tier 2: the block stack as graphs, the glue as
+   written); ``exact_size/`` (tier 3: the forward compiled per call signature, measured against stock).
 3. ``vlm``: ``compile_vision_tower`` picks the tier; ``compile_vlm`` finds the tower inside a VLM. ``server``:
    transformers' HTTP server with every VLM's tower compiled at load.
 """
 
 from vgraph_compile.hf.attention import routed_attention
-from vgraph_compile.hf.block_graphs import CompiledBlockTower
-from vgraph_compile.hf.exact_size_tower import CompiledExactSizeTower
-from vgraph_compile.hf.tiles import CompiledTileTower
-from vgraph_compile.hf.whole_tower import CompiledVisionTower
+from vgraph_compile.hf.blocks.block_graphs import CompiledBlockTower
+from vgraph_compile.hf.exact_size.exact_size_tower import CompiledExactSizeTower
+from vgraph_compile.hf.whole_graph.tiles import CompiledTileTower
+from vgraph_compile.hf.whole_graph.whole_tower import CompiledVisionTower
 from vgraph_compile.hf.vlm import compile_vision_tower, compile_vlm
 
 __all__ = [

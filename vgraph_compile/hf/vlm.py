@@ -1,6 +1,6 @@
 """The one way in for Hugging Face towers: ``compile_vision_tower(tower)`` serves a packed tower (its forward takes a
-grid: ``hf/whole_tower``) or a fixed-tile tower (``forward(pixel_values[N, C, H, W])`` of one image size:
-``hf/tiles``), and ``compile_vlm(model)`` finds the vision tower of a whole transformers VLM and serves it in place.
+grid: ``hf/whole_graph/whole_tower``) or a fixed-tile tower (``forward(pixel_values[N, C, H, W])`` of one image size:
+``hf/whole_graph/tiles``), and ``compile_vlm(model)`` finds the vision tower of a whole transformers VLM and serves it in place.
 
 The model's own code is unchanged: ``model(...)``, ``generate(...)``, ``get_image_features`` and
 ``get_video_features`` call the tower attribute as before (``visual``, ``vision_tower``, ``vision_model``...), and
@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from vgraph_compile.hf.block_graphs import CompiledBlockTower, compile_block_tower
-from vgraph_compile.hf.exact_size_tower import CompiledExactSizeTower, compile_exact_size_tower
-from vgraph_compile.hf.metadata_plan import TowerRefused
-from vgraph_compile.hf.tiles import CompiledTileTower, compile_tile_tower, is_tile_tower
-from vgraph_compile.hf.whole_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
+from vgraph_compile.hf.blocks.block_graphs import CompiledBlockTower, compile_block_tower
+from vgraph_compile.hf.exact_size.exact_size_tower import CompiledExactSizeTower, compile_exact_size_tower
+from vgraph_compile.hf.interface.metadata_plan import TowerRefused
+from vgraph_compile.hf.whole_graph.tiles import CompiledTileTower, compile_tile_tower, is_tile_tower
+from vgraph_compile.hf.whole_graph.whole_tower import CompiledVisionTower, compile_packed_tower, is_packed_tower
 
 __all__ = ["compile_vision_tower", "compile_vlm", "find_vision_tower"]
 

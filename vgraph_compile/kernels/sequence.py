@@ -1,6 +1,6 @@
 """Sequence-parallel varlen attention: each rank holds a slice of the packed rows, attention spans all of them.
 
-Layout (the contract with ``hf/sequence_parallel``): every rank of the group holds ``rows`` local rows (its
+Layout (the contract with ``hf/parallel/sequence_parallel``): every rank of the group holds ``rows`` local rows (its
 bucket's size, the same on every rank), of which the first ``slice_rows`` are its slice of the packed sequence;
 rank ``r``'s slice is packed rows ``[r * slice_rows, (r + 1) * slice_rows)``, the last rank's padded to that size.
 ``cu_seqlens`` are the segments of the whole packed sequence, padding included (they end at

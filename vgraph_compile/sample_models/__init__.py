@@ -7,5 +7,5 @@
 - ``vision_utils_towers``: every ``transformers.vision_utils`` family's tower, found by reading transformers;
   ``vision_utils_vlms``: those families' whole VLMs; ``tile_vlms``: a fixed-tile VLM (InternVL3).
 
-Where a family is actually handled: ``hf/packed_tower``, ``hf/metadata_plan`` and ``analyze/tile_rows``.
+Where a family is actually handled: ``hf/interface/packed_tower``, ``hf/interface/metadata_plan`` and ``analyze/tile_rows``.
 """

@@ -113,7 +113,7 @@ def image_processor(name: str, model, max_patches: int | None = None):
     ``max_patches`` caps each image's patches (default: the processor's own cap)."""
     from transformers.models.auto import image_processing_auto
 
-    from vgraph_compile.hf.packed_tower import config_geometry
+    from vgraph_compile.hf.interface.packed_tower import config_geometry
 
     names = image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES.get(name) or {}
     if "pil" not in names:

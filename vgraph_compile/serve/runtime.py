@@ -195,7 +195,7 @@ class VGraphRuntime:
         """Per bucket budget: its buffers' fills (made at the bucket's first call)."""
         self.agree_buckets: Callable[[set[int]], set[int]] | None = None
         """Over a group of processes whose graphs hold collectives: the budgets to serve from, given those this
-        process captured (those every process captured, ``hf/rank_agreement.common_budgets``), asked once, after the
+        process captured (those every process captured, ``hf/parallel/rank_agreement.common_budgets``), asked once, after the
         captures and before any call is served; None: the captured ones."""
         self.first_outputs: list[Any] | None = None
         """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the

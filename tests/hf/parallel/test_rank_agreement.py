@@ -1,0 +1,137 @@
+"""What the ranks agree on (``hf/parallel/rank_agreement``), in groups of 2 gloo processes on toy towers: a rank whose
+capture dropped a bucket makes every rank serve its sequence graphs, their warm-up call included, from the buckets
+all captured; a rank failing after the batch check (its data share, its sequence slice, or its sequence graph after
+the all-to-alls) makes every rank raise the same ``RankFailure`` within seconds, and the group serves the next call.
+
+The groups (``tests/hf/gloo_group.py``) run the checks of ``CHECKS``, under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+(a rank issuing another c10d collective than the others raises); a rank left waiting would raise only at the
+group's 60 s timeout, which the checks' time limit is well under.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.hf.gloo_group import assert_passed, compiled, inputs, parallel, single
+from vgraph_compile.compile import artifacts
+from vgraph_compile.compile.assemble import CompiledEncoder
+from vgraph_compile.hf.parallel.parallel_error import output_fields
+from vgraph_compile.hf.parallel.rank_agreement import RankFailure, grid_hash
+
+SECONDS = 10.0
+"""Each failing call must raise on every rank within this (the group's timeout is 60 s)."""
+
+
+def test_grid_hash_tells_order_and_frames_apart():
+    hashes = {grid_hash(g) for g in ([(1, 8, 4), (1, 8, 8)], [(1, 8, 8), (1, 8, 4)], [(2, 8, 4), (1, 8, 8)], [])}
+    assert len(hashes) == 4 and all(0 <= h < 2**62 for h in hashes)
+
+
+def _drop_smallest_bucket_when_capturing(self, *args, **kwargs):
+    """``CompiledEncoder.warmup`` as on a rank whose capture of the smallest bucket ran out of memory."""
+    if not self.captured:
+        self.buckets = self.buckets[1:]
+    return _capture(self, *args, **kwargs)
+
+
+_capture = CompiledEncoder.warmup
+
+
+def _warm_up_serves_from_buckets_every_rank_captured(group):
+    """Qwen3-VL's sequence warm-up slice (16 rows) fits budget 64, which rank 1 does not capture: every rank serves
+    the warm-up and the next call from budget 256 (a rank replaying 64 against another's 256 would send all-to-alls
+    of other sizes), and the output equals the stock tower's."""
+    tower = compiled("qwen3-vl", group)
+    tower.close()  # the next sequence call makes the graphs again, captured under the patch
+    with pytest.MonkeyPatch.context() as patch, parallel(tower, "sequence"), torch.no_grad():
+        patch.setenv(artifacts.ENVIRONMENT_VARIABLE, "")  # no saved plan's buckets are loaded, none saved
+        if dist.get_rank(group) == 1:
+            patch.setattr(CompiledEncoder, "warmup", _drop_smallest_bucket_when_capturing)
+        pixel_values, grid_thw = inputs(tower, [(1, 8, 8)], 0)
+        out, stock = tower(pixel_values, grid_thw), tower.tower(pixel_values, grid_thw)
+    (runtime,) = tower.sequence_graphs.compiled.vgraph.runtimes
+    assert [bucket.shape.budget for bucket in runtime.buckets] == [256]
+    assert runtime.buckets[0].stats.hits == 2  # the warm-up and the call
+    for mine, theirs in zip(output_fields(out), output_fields(stock), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    tower.close()  # later checks make graphs of both budgets
+
+
+def _raises_on_every_rank(tower, pixel_values, grid_thw, message: str) -> None:
+    """The call raises the same ``RankFailure`` on every rank, within ``SECONDS``."""
+    begin = time.monotonic()
+    with pytest.raises(RankFailure) as raised:
+        tower(pixel_values, grid_thw)
+    assert time.monotonic() - begin < SECONDS
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, str(raised.value))
+    assert len(set(every)) == 1 and f"rank 1: {message}" in every[0], every
+
+
+def _out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("out of memory on this rank (injected)")
+
+
+def _a_rank_failing_after_the_check_raises_on_every_rank(group):
+    """Rank 1 alone runs out of memory encoding its data-parallel share, then cutting its sequence-parallel slice,
+    then fails in its sequence graph after the all-to-alls: every rank raises the same error naming rank 1, and
+    the group serves the next call in each mode."""
+    tower = compiled("qwen2.5-vl", group)
+    rank = dist.get_rank(group)
+    pixel_values, grid_thw = inputs(tower, [(1, 8, 8), (1, 8, 12), (1, 16, 8)], 0)
+    with torch.no_grad():
+        alone = single(tower, pixel_values, grid_thw)
+    for mode, where in (("data", "compiled"), ("sequence", "slice"), ("sequence", "graph")):
+        with parallel(tower, mode), torch.no_grad():
+            tower(pixel_values, grid_thw)  # the sequence graphs exist before one is patched
+            with pytest.MonkeyPatch.context() as patch:
+                if rank == 1 and where == "compiled":
+                    patch.setattr(tower.compiled, "call_keyed", _out_of_memory)
+                elif rank == 1 and where == "slice":
+                    patch.setattr(tower, "_sequence_slice", _out_of_memory)
+                elif rank == 1:
+                    graphs = tower.sequence_graphs.compiled
+                    encode = graphs.call_keyed
+
+                    def fails_after_the_attention(*args, **kwargs):
+                        encode(*args, **kwargs)
+                        raise RuntimeError("the merger failed on this rank (injected)")
+
+                    patch.setattr(graphs, "call_keyed", fails_after_the_attention)
+                message = "RuntimeError: the merger" if where == "graph" else "OutOfMemoryError: out of memory"
+                _raises_on_every_rank(tower, pixel_values, grid_thw, message)
+            out = tower(pixel_values, grid_thw)
+        for mine, theirs in zip(output_fields(out), output_fields(alone), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _every_rank_failing_raises_its_own_error(group):
+    """Every rank failing alike (the same code on the same batch) raises its own error, not a ``RankFailure``."""
+    tower = compiled("qwen2.5-vl", group)
+    with pytest.MonkeyPatch.context() as patch, parallel(tower, "data"), torch.no_grad():
+        patch.setattr(tower.compiled, "call_keyed", _out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            tower(*inputs(tower, [(1, 8, 8), (1, 8, 12)], 0))
+
+
+CHECKS = {
+    2: [
+        _warm_up_serves_from_buckets_every_rank_captured,
+        _a_rank_failing_after_the_check_raises_on_every_rank,
+        _every_rank_failing_raises_its_own_error,
+    ]
+}
+
+
+def test_warm_up_serves_from_buckets_every_rank_captured(gloo_group):
+    assert_passed(gloo_group, _warm_up_serves_from_buckets_every_rank_captured, CHECKS)
+
+
+def test_a_rank_failing_after_the_check_raises_on_every_rank(gloo_group):
+    assert_passed(gloo_group, _a_rank_failing_after_the_check_raises_on_every_rank, CHECKS)
+
+
+def test_every_rank_failing_raises_its_own_error(gloo_group):
+    assert_passed(gloo_group, _every_rank_failing_raises_its_own_error, CHECKS)
