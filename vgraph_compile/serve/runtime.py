@@ -229,7 +229,8 @@ class VGraphRuntime:
         with self._lock, startup_phases.phase("padding_costs"):
             if self.padding is None:
                 self.padding = self._measure(measure_padding_costs)
-                self._exact_first_choices.clear()  # after: a choice made without the costs is not kept
+                self._exact_first_choices.clear()  # after: a choice made without the costs is not kept,
+                self._keyed.clear()  # nor a key's replay that skips the choice
 
     def _measure_costs(self) -> None:
         """The cost table, once ``measured`` needs it and the graphs are captured; measured once, holding the lock

@@ -205,21 +205,13 @@ class CompiledBlockTower(TowerStandIn):
         self.__dict__["compiled"] = None
         """Per segment of the program, its compiled ``BlockStack``."""
         self.__dict__["served"] = None
-        self.__dict__["replacement"] = None
-        """What serves every call once the blocks were refused (``blocks_refused``'s module)."""
         self.__dict__["_warned_off_program"] = False
 
-    @property
-    def runtimes(self):
-        """The vgraph runtimes behind this tower (one per segment's trace; normally one); once the blocks were
-        refused, those of the module serving it."""
-        if self.replacement is not None:
-            return self.replacement.runtimes
+    def _runtimes(self) -> list:
+        """One per segment's trace; normally one."""
         return [runtime for compiled in self.compiled or () if compiled for runtime in compiled.vgraph.runtimes]
 
-    def stats_table(self) -> str:
-        if self.replacement is not None:
-            return self.replacement.stats_table()
+    def _stats_table(self) -> str:
         program = self.program.describe() if self.program is not None else "not recorded yet"
         lines = [f"tier: block graphs ({program}); the whole forward is not one graph: {self.tier_reason}"]
         lines += [runtime.stats_table() for runtime in self.runtimes]
@@ -262,7 +254,7 @@ class CompiledBlockTower(TowerStandIn):
         except BlocksRefused as refusal:
             if self.blocks_refused is None:
                 raise
-            self.__dict__["replacement"] = self.blocks_refused(getattr(refusal, "reason", str(refusal)))
+            self.hand_down(self.blocks_refused, getattr(refusal, "reason", str(refusal)))
         return self.replacement(*args, **kwargs)
 
     def _program(self, args: tuple, kwargs: dict) -> Any:

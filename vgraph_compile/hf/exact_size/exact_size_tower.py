@@ -140,12 +140,11 @@ class CompiledExactSizeTower(TowerStandIn):
         self.__dict__["compiled"] = torch.compile(own_code(_compiled_call), backend=backend, dynamic=None)
         self.__dict__["signatures"] = collections.OrderedDict()
 
-    @property
-    def runtimes(self) -> list:
+    def _runtimes(self) -> list:
         """No vgraph runtime: the compiled code runs without buckets."""
         return []
 
-    def stats_table(self) -> str:
+    def _stats_table(self) -> str:
         with self._lock:
             entries = list(self.signatures.items())
         compiled = sum(entry.serves == "compiled code" for _, entry in entries)

@@ -243,8 +243,6 @@ class CompiledTileTower(TowerStandIn):
         self.trace_refused = trace_refused
         """What serves the tower when its first trace is refused (called with the reason): the exact-size code,
         from ``compile_vision_tower``; None: the refusal is raised."""
-        self.__dict__["replacement"] = None
-        """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.split_calls = 0
         """Calls past ``max_items``, served by several graph calls."""
         self.stock_calls = 0
@@ -253,19 +251,12 @@ class CompiledTileTower(TowerStandIn):
 
     def _reset(self) -> None:
         self.compiled.clear()
-        self.__dict__["replacement"] = None
 
-    @property
-    def runtimes(self):
-        """The vgraph runtimes behind this tower: per traced argument structure, the dynamic trace's, then the
-        one-tile graph's where there is one; once the trace was refused, those of the module serving it."""
-        if self.replacement is not None:
-            return self.replacement.runtimes
+    def _runtimes(self) -> list:
+        """Per traced argument structure, the dynamic trace's, then the one-tile graph's where there is one."""
         return [runtime for traced in self.compiled.values() for runtime in traced.runtimes()]
 
-    def stats_table(self) -> str:
-        if self.replacement is not None:
-            return self.replacement.stats_table()
+    def _stats_table(self) -> str:
         lines = ["tier: whole-tower graph (fixed tiles)"]
         for traced in self.compiled.values():
             lines.extend(runtime.stats_table() for runtime in traced.dynamic.vgraph.runtimes)
@@ -341,7 +332,7 @@ class CompiledTileTower(TowerStandIn):
             except _TraceRefused as refusal:
                 if self.trace_refused is None:
                     raise refusal.args[0] from None
-                self.__dict__["replacement"] = self.trace_refused(str(refusal.args[0]))
+                self.hand_down(self.trace_refused, str(refusal.args[0]))
         return self.replacement(pixel_values, **given)
 
     def _serve(self, pixel_values, patch_attention_mask, output_hidden_states, return_dict):

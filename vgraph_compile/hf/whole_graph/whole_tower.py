@@ -146,8 +146,6 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         """A parameter of the tower: its device and dtype are what inputs must have (read once per compile)."""
         self.__dict__["sequence_graphs"] = None
         """The sequence-parallel trace (``_SequenceGraphs``), made at the first sequence-parallel call."""
-        self.__dict__["replacement"] = None
-        """What serves every call once the trace was refused (``trace_refused``'s module)."""
         self.__dict__["_warmup_lock"] = threading.Lock()
         self.__dict__["_checked_grids"] = {}
         """Grid (tuple of rows) -> (its rows as a list, its patch count), for the grids ``_checked_grid`` passed."""
@@ -164,19 +162,13 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
             call, config, around_trace=lambda: routed_attention(self.tower), agree_buckets=agree_buckets
         )
 
-    @property
-    def runtimes(self):
-        """The vgraph runtimes behind this tower (one per dynamo trace; normally one); once the trace was refused,
-        those of the module serving it."""
-        if self.replacement is not None:
-            return self.replacement.runtimes
+    def _runtimes(self) -> list:
+        """One per dynamo trace; normally one."""
         return self.compiled.vgraph.runtimes
 
-    def stats_table(self) -> str:
-        """The tier, and each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's load and the
-        imbalance; with calls over a process group, the calls per mode."""
-        if self.replacement is not None:
-            return self.replacement.stats_table()
+    def _stats_table(self) -> str:
+        """The tier, and each runtime's buckets (the sequence trace's too); with data-parallel calls, each rank's
+        load and the imbalance; with calls over a process group, the calls per mode."""
         tables = ["tier: whole-tower graph", *(runtime.stats_table() for runtime in self.runtimes)]
         if self.sequence_graphs is not None:
             tables.append("sequence parallel:")
@@ -309,7 +301,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
             except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
                 if self.trace_refused is None or self.process_group is not None:
                     raise
-                self.__dict__["replacement"] = self.trace_refused(str(refusal))
+                self.hand_down(self.trace_refused, str(refusal))
                 raise _TraceRefused from refusal
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
