@@ -35,7 +35,7 @@ from vgraph_compile.counters import counters
 from vgraph_compile.hf import compile_vision_tower, routed_attention
 from vgraph_compile.sample_models.vision_utils_towers import TINY_SIZES, build_tower, released_config, shrunk
 
-__all__ = ["ServingOptions", "tower_sizes", "tiny_sizes", "serving_options", "check_served"]
+__all__ = ["ServingOptions", "tower_sizes", "tiny_sizes", "serving_options", "check_served", "inductor_cache"]
 
 _LAYER_FIELDS = ("depth", "num_hidden_layers", "num_layers")
 _WIDTH_FIELDS = ("hidden_size", "embed_dim", "width")
@@ -175,7 +175,7 @@ def _stock(tower, pixel_values, grid_thw):
 
 
 @contextlib.contextmanager
-def _inductor_cache(directory: Path) -> Iterator[None]:
+def inductor_cache(directory: Path) -> Iterator[None]:
     """Inductor's (and Triton's) on-disk cache in ``directory``, with torch's in-memory compile caches and dynamo
     cleared on entry and exit: what the block compiles starts from ``directory`` alone, as a new process would."""
     from torch._inductor.utils import clear_caches
@@ -247,7 +247,7 @@ def check_served(name: str, fields: dict, options: ServingOptions) -> None:
         return _serve(name, fields, options, references, artifact_dir="")
     with tempfile.TemporaryDirectory(prefix="vgraph-sweep-") as directory:
         for phase in ("fresh cache", "warm cache"):
-            with _inductor_cache(Path(directory) / "inductor"), counter_changes() as changes:
+            with inductor_cache(Path(directory) / "inductor"), counter_changes() as changes:
                 try:
                     _serve(name, fields, options, references, artifact_dir=str(Path(directory) / "vgraph"))
                 except Exception as failure:

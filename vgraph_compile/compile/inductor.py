@@ -117,8 +117,9 @@ _INDUCTOR_OPTIONS = {"shape_padding": False, "triton.cudagraphs": False}
 PERSISTENT_ROW_WIDTH = 2048
 """Row reductions over at most this many columns run as persistent Triton kernels, each row read once. Inductor's
 own limit is 1024: past it, a norm over a ViT's 1152-1536 wide rows (Qwen3-VL, Qwen2-VL, GLM-4.1V) loops over the
-row twice, once for its statistics and once to normalize; on an H200 those norm kernels ran at about 40% of the
-memory bandwidth (``benchmarks/results/roofline_h200_cuda.json``, the profiles' ``triton_red_fused_*layer_norm``)."""
+row twice, once for its statistics and once to normalize. On an H200 those norm kernels took 34-37 us per layer at
+Qwen3-VL's 7,276-row bucket, where reading and writing its rows once is about 67 MB, 14 us at the memory's
+bandwidth (``benchmarks/results/roofline_h200_cuda_2026-11-28_first.json``, ``triton_red_fused_*layer_norm``)."""
 
 
 def _row_reduction_choices():

@@ -7,8 +7,8 @@ it costs; this pass puts it where the graph has the pattern.
 Cases handled (legality, ``linear_gelu``): ``gelu(linear(x, W, b), approximate="tanh")`` (``F.gelu`` or
 ``torch._C._nn.gelu``, the approximation positional or keyword) where the linear has a bias, a 2-D weight and no
 other user, in fp16 or bf16. The exact GELU (``approximate="none"``), quick GELU and gated MLPs are left to
-inductor: cuBLASLt's epilogue is the tanh GELU only. float32 is left too: on an H200 the epilogue's float32 output
-at 1 and 7 rows missed the unfused layer's float32 error, which half precision's coarser rounding hides.
+inductor: cuBLASLt's epilogue is the tanh GELU only. float32 is left too: on an H200 the float32 test against the
+unfused layer failed at 1 and 7 rows (the cause not yet read), where the bf16 one passed.
 Profitability: on CUDA, where the epilogue exists (the op's CPU path is the unfused layer, correct but no faster).
 It runs on the compiled copy after ``align_matmuls``, whose padded widths it keeps (the GELU of a padded column is
 ``gelu(0) = 0``, as before).

@@ -3,8 +3,8 @@
 ViTs embed patches with ``conv2d``/``conv3d(x, W, b, stride=kernel)``. cuDNN runs such a convolution with a generic
 implicit-GEMM kernel: on an H200 it took 0.7-1.7 ms per call of a Qwen-VL or GLM-4.1V tower (``conv3d`` over
 ``[rows, 3, 2, 14, 14]``: about 0.05 ms of work at the linear layers' rate) and 0.76 ms of InternViT at 13 tiles
-(``benchmarks/results/roofline_h200_cuda.json``, the profiles' top kernels). As a matmul it runs in cuBLAS like
-every other linear layer.
+(``benchmarks/results/roofline_h200_cuda_2026-11-28_first.json``, the profiles' top kernels). As a matmul it runs
+in cuBLAS like every other linear layer.
 
 Invariant: exact up to the order of the sums. Each output position of such a convolution is the dot product of one
 patch (its ``C x kernel`` entries, in ``C, k1, k2, ...`` order, as the filters are laid out) with every filter,

@@ -1,13 +1,16 @@
-"""Block graphs (``hf/blocks/block_graphs``): the families whose forward does host work are served with their glue run as
-written and their block stack replayed from one bucket graph per call: equal to the eager tower (same attention
+"""Block graphs (``hf/blocks/block_graphs``): the families whose forward does host work are served with their glue
+run as written and their block stack replayed from one bucket graph per call: equal to the eager tower (same attention
 op, fp32) on packed calls of one image, several, and a video where the family takes videos; every call after the
 first replays (a fall back to eager fails the test); a NaN image stays in its rows; concurrent callers get their own
 rows; the tier and its reason are chosen by ``compile_vision_tower`` and shown in ``stats_table()``; on their own,
 block graphs refuse a tower none of whose blocks can be one graph. Configs drawn from each family's config class
-(``family_configs.tower_sizes``) are served equal to stock: one draw in the default profile, 12 per family in
+(``family_configs.tower_sizes``), with drawn options (budgets, eager or inductor on a fresh and a warm cache, sdpa
+or flex), are served equal to stock: one draw in the default profile, 12 per family in
 ``HYPOTHESIS_PROFILE=thorough``."""
 
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from tests.helpers import THOROUGH, outputs_from_threads
-from tests.hf.family_configs import tower_sizes
+from tests.hf.family_configs import inductor_cache, serving_options, tower_sizes
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
 from vgraph_compile.hf.blocks.block_graphs import compile_block_tower
@@ -98,10 +101,11 @@ def test_served_by_block_graphs_equal_to_eager(name):
         torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
-def _drawn_served(name, fields):
-    """The tower of ``fields`` (over the family's ``FIELDS``), served by whatever tier ``compile_vision_tower``
-    picks, equal to the stock tower on one image, several and a video; ``reject()`` where the stock tower cannot
-    build or run one image at those sizes."""
+def _drawn_served(name, fields, options):
+    """The tower of ``fields`` (over the family's ``FIELDS``) compiled with the drawn ``options``' budgets, compiler
+    and attention kernel, served by whatever tier ``compile_vision_tower`` picks, equal to the stock tower on one
+    image, several and a video; inductor on a fresh cache, then on that warm cache. ``reject()`` where the stock
+    tower cannot build or run one image at those sizes."""
     fields = {**fields, **FIELDS.get(name, {})}
     try:
         tower = build_tower(name, **fields)
@@ -110,16 +114,29 @@ def _drawn_served(name, fields):
             tower(*args, **kwargs)
     except Exception:  # the family's config validation, or its stock tower at these sizes
         reject()
-    served = compile_vision_tower(tower, token_budgets=[256], compiler="eager", attention_backend="sdpa")
     t = 1 if name in IMAGES_ONLY else 2
+    references = []
     for grid in ([(1, 8, 12)], [(1, 8, 8), (1, 2, 2), (1, 4, 6)], [(t, 4, 4), (1, 2, 4)]):
         args, kwargs = tower_call(name, tower, grid)
-        with torch.no_grad():
-            out = served(*args, **kwargs)
         with torch.no_grad(), routed_attention(tower):
-            ref = tower(*args, **kwargs)
-        assert not out.last_hidden_state.isnan().any(), (name, fields, grid)
-        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+            references.append((grid, args, kwargs, tower(*args, **kwargs).last_hidden_state))
+    keywords = dict(token_budgets=list(options.token_budgets), compiler=options.compiler,
+                    attention_backend=options.attention_backend)  # fmt: skip
+
+    def serve(artifact_dir: str, phase: str) -> None:
+        served = compile_vision_tower(tower, **keywords, artifact_dir=artifact_dir)
+        for grid, args, kwargs, ref in references:
+            with torch.no_grad():
+                out = served(*args, **kwargs).last_hidden_state
+            assert not out.isnan().any(), (name, fields, options, grid, phase)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m, at=(grid, phase): f"{at}: {m}")
+
+    if options.compiler == "eager":
+        return serve("", "eager")
+    with tempfile.TemporaryDirectory(prefix="vgraph-blocks-") as directory:
+        for phase in ("fresh cache", "warm cache"):
+            with inductor_cache(Path(directory) / "inductor"):
+                serve(str(Path(directory) / "vgraph"), phase)
 
 
 _DRAWN = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -128,9 +145,10 @@ _DRAWN = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Health
 @settings(max_examples=1, **_DRAWN)
 @given(name=st.sampled_from(sorted(SERVED)), data=st.data())
 def test_a_drawn_config_of_a_block_tier_family_is_served_equal_to_stock(name, data):
-    """One family and one config drawn from its config class (``family_configs.tower_sizes``: depth, widths, heads,
-    merge, patch and position-table sizes), served by the tier ``compile_vision_tower`` picks."""
-    _drawn_served(name, data.draw(tower_sizes(name), label="config"))
+    """One family, one config drawn from its config class (``family_configs.tower_sizes``: depth, widths, heads,
+    merge, patch and position-table sizes) and drawn options (``family_configs.serving_options``: budgets, compiler,
+    kernel), served by the tier ``compile_vision_tower`` picks."""
+    _drawn_served(name, data.draw(tower_sizes(name), label="config"), data.draw(serving_options(), label="options"))
 
 
 @pytest.mark.skipif(not THOROUGH, reason="many configs per family: HYPOTHESIS_PROFILE=thorough")
@@ -138,7 +156,7 @@ def test_a_drawn_config_of_a_block_tier_family_is_served_equal_to_stock(name, da
 @settings(max_examples=12, **_DRAWN)
 @given(data=st.data())
 def test_drawn_configs_of_each_block_tier_family_are_served_equal_to_stock(name, data):
-    _drawn_served(name, data.draw(tower_sizes(name), label="config"))
+    _drawn_served(name, data.draw(tower_sizes(name), label="config"), data.draw(serving_options(), label="options"))
 
 
 def test_nan_image_stays_in_its_rows():

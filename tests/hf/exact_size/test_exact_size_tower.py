@@ -1,9 +1,9 @@
-"""The tier of last resort (``hf/exact_size/exact_size_tower``): a tower whose blocks change shape with the items (an
-LFM3-VL tower of convolution blocks only, built from its own config class: every block loops over the grid list)
-is served by ``compile_vision_tower`` through its forward compiled at each call's sizes, equal to the stock tower on
-several grids (every call counted on the path it took), a NaN image kept in its rows, bad input refused with a
-ValueError before anything compiles, the path chosen per signature by the measured cost, and the signatures kept in
-an LRU."""
+"""The tier of last resort (``hf/exact_size/exact_size_tower``): a tower whose blocks change shape with the items
+(an LFM3-VL tower of convolution blocks only, built from its own config class: every block loops over the grid
+list) is served by ``compile_vision_tower`` through its forward compiled at each call's sizes, equal to the stock
+tower on several grids (every call counted on the path it took), concurrent callers of new and known signatures
+given their own rows, a NaN image kept in its rows, bad input refused with a ValueError before anything compiles,
+the path chosen per signature by the measured cost, and the signatures kept in an LRU."""
 
 import re
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters as dynamo_counters
 
+from tests.helpers import outputs_from_threads
 from vgraph_compile.counters import counters
 from vgraph_compile.hf import CompiledExactSizeTower, compile_vision_tower
 from vgraph_compile.hf.exact_size import exact_size_tower
@@ -66,6 +67,19 @@ def test_served_by_exact_size_code_equal_to_stock(convolution_tower):
         assert not out.last_hidden_state.isnan().any()
         torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
     assert len(exact.signatures) == 3
+
+
+def test_concurrent_callers_get_their_own_rows(convolution_tower):
+    """Three threads at once, each on its own grid (two signatures new, one known), five calls each: every call
+    equals the stock tower on its own grid."""
+    tower, served = convolution_tower
+    calls = [tower_call("lfm3_vl", tower, grid) for grid in ([(1, 4, 6)], [(1, 2, 6), (1, 2, 2)], [(1, 6, 4)])]
+    results = outputs_from_threads(lambda index: served(*calls[index][0], **calls[index][1]).last_hidden_state, 3)
+    for (args, kwargs), outputs in zip(calls, results):
+        with torch.no_grad():
+            ref = tower(*args, **kwargs).last_hidden_state
+        for out in outputs:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_nan_image_stays_in_its_rows(convolution_tower):
