@@ -1,23 +1,44 @@
 import pytest
+from hypothesis import given, strategies as st
 
 from vgraph_compile.config import VGraphConfig, generate_budgets
 from vgraph_compile.geometry import VisionGeometry
 
 
-def test_generate_budgets_doubles_then_appends_max():
-    assert generate_budgets(64, 800) == (64, 128, 256, 512, 800)
+def test_generate_budgets_grows_by_one_ratio_up_to_the_max():
+    assert generate_budgets(64, 1024) == (64, 128, 256, 512, 1024)
+    assert generate_budgets(64, 800) == (64, 121, 227, 426, 800)
     assert generate_budgets(1024, 1024) == (1024,)
+    assert generate_budgets(64, 1000, growth=100.0) == (64, 1000)
+
+
+@given(
+    st.integers(1, 4096), st.integers(1, 65536), st.floats(1.01, 3.0), st.sampled_from([1, 4, 9]),
+    st.integers(0, 8192),
+)
+def test_generated_budgets_never_step_past_the_growth_in_cost(low, high, growth, multiple, fixed_rows):
+    """Every budget a multiple of ``multiple`` (the ends as given), increasing, from min to max, and each step's
+    cost (rows + fixed_rows) at most ``growth`` (plus the rounding to ``multiple``)."""
+    low, high = min(low, high), max(low, high)
+    budgets = generate_budgets(low, high, growth, multiple, fixed_rows)
+    assert budgets[0] == low and budgets[-1] == high and list(budgets) == sorted(set(budgets))
+    assert all(budget % multiple == 0 for budget in budgets[1:-1])
+    for smaller, larger in zip(budgets, budgets[1:]):
+        assert larger + fixed_rows <= growth * (smaller + fixed_rows) + multiple
 
 
 def test_defaults():
-    """Fine buckets: 64 merged tokens up to 16384, growing by at most 1.25 (20 or more graphs)."""
+    """Buckets spaced by cost: 64 merged tokens up to 16384, each step's rows + 1024 at most 1.1x the last, so
+    coarse at the bottom and about 10% apart at the top."""
     config = VGraphConfig()
-    assert config.budgets[0] == 64 and config.budgets[-1] == 16384 and len(config.budgets) >= 20
-    assert max(b / a for a, b in zip(config.budgets, config.budgets[1:])) <= 1.25 + 1 / 64
+    assert config.budgets[0] == 64 and config.budgets[-1] == 16384
+    assert max((b + 1024) / (a + 1024) for a, b in zip(config.budgets, config.budgets[1:])) <= 1.1 + 1e-9
     assert config.segments == 64
     merged = VGraphConfig(geometry=VisionGeometry(patch_size=14), max_items=8)
-    assert merged.budgets[0] == 64 * 4 and len(merged.budgets) >= 20
+    assert merged.budgets[0] == 64 * 4 and merged.budgets[-1] == 16384
     assert all(budget % 4 == 0 for budget in merged.budgets)
+    steps = [b / a for a, b in zip(merged.budgets, merged.budgets[1:])]
+    assert steps[0] > 1.4 and steps[-1] < 1.11
     assert VGraphConfig(token_budgets=[16, 32]).segments == 16
 
 
@@ -56,8 +77,12 @@ def test_budget_growth_and_merge_multiple():
     """growth 1.5 from 1024 to 16384, each a multiple of 4 (2x2 merge): at most 33% padding between budgets."""
     from vgraph_compile.geometry import VisionGeometry
 
-    config = VGraphConfig(min_tokens=1024, max_tokens=16384, budget_growth=1.5, geometry=VisionGeometry(14))
-    assert config.budgets == (1024, 1536, 2304, 3456, 5184, 7776, 11664, 16384)
+    config = VGraphConfig(
+        min_tokens=1024, max_tokens=16384, budget_growth=1.5, budget_fixed_rows=0, geometry=VisionGeometry(14)
+    )
+    assert config.budgets == (1024, 1524, 2264, 3364, 4996, 7420, 11028, 16384)
     assert all(b % 4 == 0 for b in config.budgets)
     with pytest.raises(ValueError, match="budget_growth must be > 1"):
         VGraphConfig(budget_growth=1.0)
+    with pytest.raises(ValueError, match="budget_fixed_rows must be >= 0, got -1: 0 spaces budgets by rows alone"):
+        VGraphConfig(budget_fixed_rows=-1)

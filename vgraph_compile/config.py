@@ -18,23 +18,32 @@ __all__ = ["VGraphConfig", "generate_budgets"]
 DEFAULT_MIN_MERGED_TOKENS = 64
 """The smallest generated budget holds this many merged tokens (64 x merge^2 patches with a geometry)."""
 DEFAULT_MAX_TOKENS = 16384
-DEFAULT_BUDGET_GROWTH = 1.25
-"""Default ratio between generated budgets: at most 20% of a bucket is padding. A bucket costs one CUDA graph
-capture (a fraction of a second), not a compile, so buckets are fine by default."""
+DEFAULT_BUDGET_GROWTH = 1.1
+"""Default ratio between the costs of generated budgets (``generate_budgets``): a large call pays at most 10% for
+padding rows. A bucket costs one CUDA graph capture (a fraction of a second), not a compile."""
+DEFAULT_BUDGET_FIXED_ROWS = 1024
+"""Default rows whose work equals a call's fixed cost. On an H200 a released Qwen2-VL or Qwen3-VL tower replays its
+256-row bucket in 2.2-2.3 ms and adds 1.5-2.3 us per row above it (``benchmarks/results/roofline_h200_*.json``): the
+fixed part is 750-1500 rows' worth, so a small bucket's padding rows cost little and a large one's cost their share."""
 DEFAULT_MAX_SEGMENTS = 64
 
 
-def generate_budgets(min_tokens: int, max_tokens: int, growth: float = 2.0, multiple: int = 1) -> tuple[int, ...]:
-    """``min_tokens`` times powers of ``growth`` (rounded up to ``multiple``) below ``max_tokens``, then
-    ``max_tokens``: (64, 800) -> 64, 128, 256, 512, 800. A smaller growth means less padding, more graphs."""
-    budgets = []
-    budget = float(min_tokens)
-    while math.ceil(budget / multiple) * multiple < max_tokens:
-        rounded = math.ceil(budget / multiple) * multiple
-        if not budgets or rounded > budgets[-1]:
+def generate_budgets(
+    min_tokens: int, max_tokens: int, growth: float = 2.0, multiple: int = 1, fixed_rows: int = 0
+) -> tuple[int, ...]:
+    """Budgets from ``min_tokens`` to ``max_tokens`` whose costs ``rows + fixed_rows`` grow by one ratio of at most
+    ``growth`` (as few steps as that allows; each budget rounded up to ``multiple``). (64, 1024) -> 64, 128, 256,
+    512, 1024. With ``fixed_rows`` the small budgets are coarse in rows and the large ones fine: padding rows cost
+    a call at most ``1 - 1/growth`` of its cost. A smaller growth: less padding, more graphs."""
+    low, high = min_tokens + fixed_rows, max_tokens + fixed_rows
+    steps = math.ceil(math.log(high / low) / math.log(growth) - 1e-9) if high > low else 0
+    budgets = [min_tokens]
+    for step in range(1, steps):
+        rounded = math.ceil((low * (high / low) ** (step / steps) - fixed_rows) / multiple) * multiple
+        if budgets[-1] < rounded < max_tokens:
             budgets.append(rounded)
-        budget *= growth
-    budgets.append(max_tokens)
+    if max_tokens > min_tokens:
+        budgets.append(max_tokens)
     return tuple(budgets)
 
 
@@ -53,7 +62,12 @@ class VGraphConfig:
     max_tokens: int | None = None
     """Largest generated budget (with ``token_budgets`` unset); default 16384."""
     budget_growth: float = DEFAULT_BUDGET_GROWTH
-    """Ratio between generated budgets: the worst-case padding is 1 - 1/growth (1.25: 20%, 2.0: 50%)."""
+    """Ratio between the costs (rows + ``budget_fixed_rows``) of generated budgets: padding costs a call at most
+    1 - 1/growth of its cost (1.1: 9%, 2.0: 50%)."""
+    budget_fixed_rows: int = DEFAULT_BUDGET_FIXED_ROWS
+    """Rows whose work equals a call's fixed cost (its kernels' launch and weight reads at any size): generated
+    budgets are spaced by cost, coarse where a call costs little more than that, fine where rows dominate. 0: by
+    rows alone."""
     max_segments: int | None = None
     """Most attention segments (cu_seqlens entries - 1) per call and group; default min(64, smallest budget)."""
     attention_backend: Literal["auto"] | AttentionBackendName = "auto"
@@ -147,7 +161,12 @@ class VGraphConfig:
                 raise ValueError(f"VGraphConfig: min_tokens={low} > max_tokens={high}; swap them")
             if self.budget_growth <= 1.0:
                 raise ValueError(f"VGraphConfig.budget_growth must be > 1, got {self.budget_growth}")
-            budgets = generate_budgets(low, high, self.budget_growth, merge)
+            if self.budget_fixed_rows < 0:
+                raise ValueError(
+                    f"VGraphConfig.budget_fixed_rows must be >= 0, got {self.budget_fixed_rows}: 0 spaces budgets by "
+                    "rows alone"
+                )
+            budgets = generate_budgets(low, high, self.budget_growth, merge, self.budget_fixed_rows)
         object.__setattr__(self, "budgets", budgets)
 
         smallest = budgets[0]
