@@ -152,6 +152,31 @@ def test_fa4_kernels_compiled_by_one_process_are_loaded_by_the_next(tmp_path):
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
 
 
+def test_dense_kernels_leave_the_processes_sdpa_choice_as_torch_makes_it():
+    """A process that ran a dense kernel (``sdpa_kernel`` with a priority, ``kernels/dense.py``) chooses the SDPA
+    backend for its own attention as a process that never ran one does (the So400m tiles' shape; cuDNN on an H200
+    with torch's cuDNN preference)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "q = torch.randn(13, 16, 729, 72, device='cuda', dtype=torch.bfloat16)\n"
+        "if sys.argv[1] == 'dense':\n"
+        "    from vgraph_compile.kernels import dense\n"
+        "    from vgraph_compile.kernels.segments import cu_seqlens\n"
+        "    x = torch.randn(64, 2, 72, device='cuda', dtype=torch.bfloat16)\n"
+        "    dense.cudnn(x, x, x, cu_seqlens([64], 'cuda'), 64, None)\n"
+        "print(int(torch._fused_sdp_choice(q, q, q)))\n"
+    )
+    choices = [
+        subprocess.run([sys.executable, "-c", script, first], capture_output=True, text=True, check=True, timeout=300)
+        .stdout.split()[-1]
+        for first in ("nothing", "dense")
+    ]
+    assert choices[1] == choices[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 4096, 9216])
 def test_linear_gelu_epilogue_matches_the_unfused_layer(dtype, rows):

@@ -7,6 +7,7 @@ import torch
 import vgraph_compile
 from vgraph_compile.serve.call_costs import (
     EXACT_HOST_SHARE,
+    ONE_SEGMENT_HOST_SHARE,
     CallCosts,
     PaddingCosts,
     fill_full,
@@ -70,6 +71,18 @@ def test_exact_size_saves_where_launches_hide_behind_the_rows_work_and_padding_i
     assert costs.launch_hidden(1024, 1000, one_segment=True) and not costs.launch_hidden(1024, 1000)
     assert not costs.launch_hidden(1024, 600, one_segment=True)  # 2.9 ms of work
     assert not costs.launch_hidden(512, 500, one_segment=True)
+
+
+def test_a_one_segment_calls_measured_launch_replaces_the_warmups():
+    """Once a one-segment exact run measured its own launch, one-segment calls are weighed by it, within
+    ``ONE_SEGMENT_HOST_SHARE`` of their rows' share of the one-segment replay (bucket 8192: 100 ms; 4096 rows:
+    50 ms), whatever the warm-up's launch time; calls of several segments keep the warm-up's."""
+    costs = PaddingCosts(budgets=(1024, 8192), empty_ms=(2.0, 40.0), full_ms=(5.0, 100.0), exact_host_ms=2.0)
+    assert costs.launch_hidden(8192, 4096, one_segment=True)
+    assert costs.launch_hidden(8192, 4096, one_segment=True, one_segment_host_ms=ONE_SEGMENT_HOST_SHARE * 50)
+    assert not costs.launch_hidden(8192, 4096, one_segment=True, one_segment_host_ms=ONE_SEGMENT_HOST_SHARE * 50 + 1)
+    assert costs.launch_hidden(8192, 4096, one_segment_host_ms=45.0)  # several segments: the warm-up's 2 ms
+    assert not costs.launch_hidden(512, 500, one_segment=True, one_segment_host_ms=0.1)  # an untimed bucket
 
 
 def test_padding_costs_time_buckets_largest_first_down_to_the_first_that_hides_no_launch():

@@ -127,7 +127,16 @@ def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_anot
             inputs = pack_images(lengths, 12)
             with counters.expect(replays=replays):
                 torch.testing.assert_close(compiled(*inputs), one_segment_model(*inputs), rtol=1e-5, atol=1e-5)
-    assert runtime.choices[EXACT] == 3
+        # that exact run timed its own launch; a launch no call's work hides sends one-segment calls back to their
+        # bucket, a small one sends them out again (the choices made before are made again)
+        assert runtime.one_segment_host_ms is not None
+        for host_ms, replays in ((1e6, 1), (1e-3, 0)):
+            runtime.one_segment_host_ms = host_ms
+            runtime._exact_first_choices.clear()
+            inputs = pack_images([126], 12)
+            with counters.expect(replays=replays):
+                torch.testing.assert_close(compiled(*inputs), one_segment_model(*inputs), rtol=1e-5, atol=1e-5)
+    assert runtime.choices[EXACT] == 4
 
 
 class _OwnTrace(PackedViT):

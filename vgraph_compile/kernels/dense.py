@@ -21,9 +21,17 @@ output sliced back. The work is quadratic in all the rows, not per segment (``At
 or a bucket of one), where timing says it is fastest, so it always runs with the two columns.
 NaN/Inf isolation is ``segments.confined``'s: a non-finite k/v entry is zeroed for the kernel and its segment's head
 comes out NaN; a query row reads only its own q, so q needs no confinement.
+
+The kernels leave SDPA's choice for everyone else as they found it: torch settles its default backend order (cuDNN
+first on sm90/sm100 with a recent cuDNN) at a process's first SDPA call, and ``sdpa_kernel(..., set_priority=True)``
+entered before that restores the unsettled order, which puts cuDNN last for the rest of the process (on an H200 the
+So400m and InternViT tiles' own attention then ran FlashAttention-2, 1.4x cuDNN's time). ``settle_sdpa_order`` makes
+that first call before any order is read.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vgraph_compile.kernels.segments import confined, segment_ids
 
-__all__ = ["cudnn", "flash", "efficient", "separation_columns", "MAX_WIDTH"]
+__all__ = ["cudnn", "flash", "efficient", "separation_columns", "settle_sdpa_order", "MAX_WIDTH"]
 
 MAX_WIDTH = 256
 """The widest head dim (with the columns) the dense kernels are asked to run; wider raises (too many segments)."""
@@ -55,8 +63,18 @@ def separation_columns(cu_seqlens: torch.Tensor, rows: int, dtype: torch.dtype) 
     return q, k
 
 
+@functools.cache
+def settle_sdpa_order(device_type: str) -> None:
+    """Make torch settle its default SDPA backend order (module docstring) with one tiny SDPA call on a device of
+    ``device_type``, once per process, before any ``sdpa_kernel`` reads the order."""
+    if device_type == "cuda":
+        q = torch.zeros(1, 1, 1, 8, device=device_type, dtype=torch.float16)
+        F.scaled_dot_product_attention(q, q, q)
+
+
 def _dense(backend: SDPBackend):
     def unconfined(q, k, v, cu_seqlens, max_seqlen, scale):
+        settle_sdpa_order(q.device.type)
         rows, heads, head_dim = q.shape
         q_columns, k_columns = separation_columns(cu_seqlens, rows, q.dtype)
         width = -(-(head_dim + q_columns.shape[1]) // 8) * 8

@@ -13,8 +13,8 @@ attention, so nothing is built on the host and nothing goes stale across CUDA gr
   the backward pass and are skipped: their ``vmap`` fails when the op runs under AOT autograd's runtime modes.
 
 The mask is built by plain device ops (captured with the rest of a bucket's graph). On CUDA ``flex_attention``
-itself runs through ``torch.compile`` (one Triton kernel; the first call of a shape compiles, so it belongs to the
-warm-up run before capture; later calls with other offsets reuse it). Compiling the mask's construction together
+itself runs through ``torch.compile`` (one Triton kernel, dynamic in the rows; the first call of a head dim and dtype
+compiles, so it belongs to the warm-up run before capture; later calls with other rows or offsets reuse it). Compiling the mask's construction together
 with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment straddling a tile edge next to the padding
 block) although the tiles equal ``create_block_mask``'s; built outside, the same mask gives the exact result. On the
 CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured
@@ -76,7 +76,10 @@ def _attend(q, k, v, cu_seqlens, scale, kernel):
 
 @functools.cache
 def _compiled_flex_attention():
-    return torch.compile(flex_attention, fullgraph=True)
+    """One compile for every row count (``dynamic=True``): dynamo's recompile limit (8) counts every shape a process
+    gives ``flex_attention``, and under ``fullgraph=True`` a ninth is an error, not a fallback (on an H200,
+    ``opcheck`` after the kernel tests' head dims and dtypes hit it)."""
+    return torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
 def unconfined(

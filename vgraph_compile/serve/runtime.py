@@ -42,6 +42,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -81,6 +82,8 @@ class _Miss:
 _CHOICE_CACHE_SIZE = 4096
 _STAGED_CACHE_SIZE = 1024
 _UNKNOWN = object()
+PADDING_REASON = "its padding"
+ONE_SEGMENT_REASON = "its one-segment kernel"
 """A per-call-sizes cache's miss (its entries may be None)."""
 
 PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
@@ -183,8 +186,13 @@ class VGraphRuntime:
         self._exact: dict[tuple[int, ...], dict[int, int] | None] = {}
         """Per call sizes: the size inputs of the compiled code at them, or None where it may not run at them (a size
         guard fails there)."""
-        self._exact_first_choices: dict[tuple[int, ...], bool] = {}
-        """Per call sizes: whether the call runs at its exact sizes before any bucket (``_exact_first``)."""
+        self._exact_first_choices: dict[tuple[int, ...], str | None] = {}
+        """Per call sizes: why the call runs at its exact sizes before any bucket (``PADDING_REASON`` or
+        ``ONE_SEGMENT_REASON``), or None where it does not (``_exact_first``)."""
+        self.one_segment_host_ms: float | None = None
+        """The host time of the latest one-segment call run at its exact sizes for its kernel (its launches, not
+        waiting on the GPU; CUDA with padding costs only), which ``_exact_first`` weighs such calls by from then
+        on (``PaddingCosts.launch_hidden``)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
         """Per bucket budget: (rows, ms) of each timed stock call it would have served; replaced, never changed in
         place (callers read it without the lock)."""
@@ -431,27 +439,32 @@ class VGraphRuntime:
         self._exact[plan.key] = sizes
         return sizes
 
-    def _exact_first(self, bucket: Bucket, plan: CallPlan) -> bool:
-        """Whether the call runs the compiled code at its exact sizes rather than any bucket, where the code may run
-        at its sizes: because its padding rows cost more than the exact run's host launch can lose
-        (``PaddingCosts.exact_saves``), or for a one-segment kernel (``_one_segment_kernel``) where the launch hides
-        behind the call's work (``PaddingCosts.launch_hidden``; the kernel's own timing cannot tell)."""
+    def _exact_first(self, bucket: Bucket, plan: CallPlan) -> str | None:
+        """Why the call runs the compiled code at its exact sizes rather than any bucket (None: it does not), where
+        the code may run at its sizes: its padding rows cost more than the exact run's host launch can lose
+        (``PaddingCosts.exact_saves``: ``PADDING_REASON``), or a one-segment kernel (``_one_segment_kernel``) whose
+        launch hides behind the call's work (``PaddingCosts.launch_hidden``, by ``one_segment_host_ms`` once a
+        one-segment exact run measured it; the kernel's own timing cannot tell: ``ONE_SEGMENT_REASON``)."""
         known = self._exact_first_choices.get(plan.key, _UNKNOWN)
         if known is not _UNKNOWN:
             return known
         padding, budget = self.padding, bucket.shape.budget
         if padding is None:  # no graphs to leave (the CPU), or not measured yet: only for a one-segment kernel
-            chosen = self._one_segment_kernel(bucket, plan)
+            reason = ONE_SEGMENT_REASON if self._one_segment_kernel(bucket, plan) else None
+        elif padding.exact_saves(budget, plan.tokens):
+            reason = PADDING_REASON
+        elif padding.launch_hidden(
+            budget, plan.tokens, one_segment=True, one_segment_host_ms=self.one_segment_host_ms
+        ) and self._one_segment_kernel(bucket, plan):
+            reason = ONE_SEGMENT_REASON
         else:
-            chosen = padding.exact_saves(budget, plan.tokens) or (
-                padding.launch_hidden(budget, plan.tokens, one_segment=True)
-                and self._one_segment_kernel(bucket, plan)
-            )
-        chosen = chosen and self._exact_allowed(bucket, plan)
+            reason = None
+        if reason is not None and not self._exact_allowed(bucket, plan):
+            reason = None
         if len(self._exact_first_choices) >= _CHOICE_CACHE_SIZE:
             self._exact_first_choices.clear()
-        self._exact_first_choices[plan.key] = chosen
-        return chosen
+        self._exact_first_choices[plan.key] = reason
+        return reason
 
     def _one_segment_kernel(self, bucket: Bucket, plan: CallPlan) -> bool:
         """Whether some attention group holds one segment in the call, and that group's kernels give one segment of
@@ -481,17 +494,29 @@ class VGraphRuntime:
                 groups.setdefault(site.group, (name, site.rows))
         return groups
 
-    def _run_exact(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
+    def _run_exact(
+        self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, reason: str | None = None
+    ) -> list[Any]:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
-        fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too."""
+        fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too. A call sent
+        here for its one-segment kernel (``reason``) with padding costs measured times its launch
+        (``one_segment_host_ms``); the choices made for such calls are made again by that time."""
         inputs = list(bucket.inputs)
         for index in self.encoder.record.layout.copied:
             inputs[index] = args[index].contiguous()
         for index, size in self._exact_sizes(bucket, plan).items():
             inputs[index] = size
+        timed = reason == ONE_SEGMENT_REASON and self.padding is not None
         with self._lock:
             self._on_call_stream()
-            return list(self.encoder.compiled(inputs))
+            begin = time.perf_counter()
+            outputs = list(self.encoder.compiled(inputs))
+            if timed:
+                self.one_segment_host_ms = (time.perf_counter() - begin) * 1e3
+                for key, chosen in list(self._exact_first_choices.items()):
+                    if chosen == ONE_SEGMENT_REASON:
+                        self._exact_first_choices.pop(key, None)
+        return outputs
 
     def _run_stock(self, stock: Callable[[], Any], budget: int, rows: int) -> StockServed:
         """The stock module on the call; timed (and the routes recomputed) when ``measured`` has no timing that
@@ -598,9 +623,10 @@ class VGraphRuntime:
         self._measure_padding()
         self._measure_costs()
         with torch.no_grad() if grad else contextlib.nullcontext():
-            if self.call_choice in ("smallest_bucket", "measured") and self._exact_first(bucket, plan):
+            reason = self._exact_first(bucket, plan) if self.call_choice in ("smallest_bucket", "measured") else None
+            if reason is not None:
                 self.choices[EXACT] += 1
-                results = self._run_exact(bucket, args, plan)
+                results = self._run_exact(bucket, args, plan, reason)
             elif self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
                 results = self._replay(bucket, args, plan, key)
             else:
