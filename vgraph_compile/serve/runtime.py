@@ -189,10 +189,13 @@ class VGraphRuntime:
         self._exact_first_choices: dict[tuple[int, ...], str | None] = {}
         """Per call sizes: why the call runs at its exact sizes before any bucket (``PADDING_REASON`` or
         ``ONE_SEGMENT_REASON``), or None where it does not (``_exact_first``)."""
-        self.one_segment_host_ms: float | None = None
-        """The host time of the latest one-segment call run at its exact sizes for its kernel (its launches, not
-        waiting on the GPU; CUDA with padding costs only), which ``_exact_first`` weighs such calls by from then
-        on (``PaddingCosts.launch_hidden``)."""
+        self.one_segment_host_ms: dict[bool, float] = {}
+        """Host times of the one-segment calls run at their exact sizes for their kernel (their launches, not waiting
+        on the GPU; CUDA with padding costs only), keyed by whether the call's sizes ran so before: the latest of a
+        first run (which builds what a new shape needs: cuDNN's plan, say) and of a later one. ``_exact_first``
+        weighs a call by the one of its kind (``PaddingCosts.launch_hidden``), the warm-up's until it is measured."""
+        self._exact_sizes_run: set[tuple[int, ...]] = set()
+        """The call sizes (``plan.key``) a one-segment call ran at exactly (bounded like the choice caches)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
         """Per bucket budget: (rows, ms) of each timed stock call it would have served; replaced, never changed in
         place (callers read it without the lock)."""
@@ -454,7 +457,8 @@ class VGraphRuntime:
         elif padding.exact_saves(budget, plan.tokens):
             reason = PADDING_REASON
         elif padding.launch_hidden(
-            budget, plan.tokens, one_segment=True, one_segment_host_ms=self.one_segment_host_ms
+            budget, plan.tokens, one_segment=True,
+            one_segment_host_ms=self.one_segment_host_ms.get(plan.key in self._exact_sizes_run),
         ) and self._one_segment_kernel(bucket, plan):
             reason = ONE_SEGMENT_REASON
         else:
@@ -500,7 +504,8 @@ class VGraphRuntime:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
         fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too. A call sent
         here for its one-segment kernel (``reason``) with padding costs measured times its launch
-        (``one_segment_host_ms``); the choices made for such calls are made again by that time."""
+        (``one_segment_host_ms``, by whether its sizes ran so before); the choices made for such calls are made
+        again by that time."""
         inputs = list(bucket.inputs)
         for index in self.encoder.record.layout.copied:
             inputs[index] = args[index].contiguous()
@@ -512,7 +517,10 @@ class VGraphRuntime:
             begin = time.perf_counter()
             outputs = list(self.encoder.compiled(inputs))
             if timed:
-                self.one_segment_host_ms = (time.perf_counter() - begin) * 1e3
+                if len(self._exact_sizes_run) >= _CHOICE_CACHE_SIZE:
+                    self._exact_sizes_run.clear()
+                self.one_segment_host_ms[plan.key in self._exact_sizes_run] = (time.perf_counter() - begin) * 1e3
+                self._exact_sizes_run.add(plan.key)
                 for key, chosen in list(self._exact_first_choices.items()):
                     if chosen == ONE_SEGMENT_REASON:
                         self._exact_first_choices.pop(key, None)
@@ -730,6 +738,12 @@ class VGraphRuntime:
             lines.append(f"per-call choice ({self.call_choice}): {choices}")
         if self.padding is not None:
             lines.append("padding costs: " + self.padding.format())
+        if self.one_segment_host_ms:
+            launches = ", ".join(
+                f"{'later runs' if again else 'first run of its sizes'} {ms:.3f} ms"
+                for again, ms in sorted(self.one_segment_host_ms.items())
+            )
+            lines.append(f"one-segment calls at their exact sizes, latest host launch: {launches}")
         if self.costs is not None:
             lines.append("measured costs (ms):\n" + self.costs.format())
         for budget, samples in sorted(self.stock_ms.items()):
