@@ -11,7 +11,9 @@ from vgraph_compile.serve.call_costs import (
     CallCosts,
     PaddingCosts,
     fill_full,
+    load_padding_costs,
     measure_padding_costs,
+    save_padding_costs,
 )
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
 
@@ -130,3 +132,15 @@ def test_offsets_made_from_the_grid_are_filled_with_one_segment_of_max_seqlen():
         outputs = bucket.run(runtime.encoder.compiled)
     tensors = [out for out in outputs if isinstance(out, torch.Tensor)]
     assert tensors and all(bool(torch.isfinite(out).all()) for out in tensors)
+
+
+def test_padding_costs_saved_under_a_key_load_equal_and_other_keys_load_nothing(tmp_path, monkeypatch):
+    """A warm start loads what a cold one measured for the same compiled code and buckets; another key, or a file
+    that is not the saved form, gives None (measured again)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    costs = PaddingCosts(budgets=(1024, 8192), empty_ms=(2.0, 40.0), full_ms=(5.0, 100.0), exact_host_ms=2.5)
+    save_padding_costs("code|1024,8192", costs)
+    assert load_padding_costs("code|1024,8192") == costs
+    assert load_padding_costs("code|8192") is None
+    (tmp_path / "vgraph_padding_costs.json").write_text('{"code|1024,8192": [1, 2]}')
+    assert load_padding_costs("code|1024,8192") is None

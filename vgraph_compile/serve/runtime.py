@@ -56,7 +56,9 @@ from vgraph_compile.serve.call_costs import (
     CallCosts,
     PaddingCosts,
     measure_call_costs,
+    load_padding_costs,
     measure_padding_costs,
+    save_padding_costs,
     median_ms,
 )
 from vgraph_compile.counters import counters, startup_phases
@@ -239,9 +241,20 @@ class VGraphRuntime:
             return
         with self._lock, startup_phases.phase("padding_costs"):
             if self.padding is None:
-                self.padding = self._measure(measure_padding_costs)
+                key = self._padding_costs_key()
+                self.padding = load_padding_costs(key) if key is not None else None
+                if self.padding is None:
+                    self.padding = self._measure(measure_padding_costs)
+                    if key is not None:
+                        save_padding_costs(key, self.padding)
                 self._exact_first_choices.clear()  # after: a choice made without the costs is not kept,
                 self._keyed.clear()  # nor a key's replay that skips the choice
+
+    def _padding_costs_key(self) -> str | None:
+        """The key the padding costs are saved under: the saved compiled code and the buckets served (None where the
+        code is not saved: nothing names it across processes)."""
+        key = self.encoder.record.artifact_key
+        return None if key is None else f"{key}|{','.join(str(bucket.shape.budget) for bucket in self.buckets)}"
 
     def _measure_costs(self) -> None:
         """The cost table, once ``measured`` needs it and the graphs are captured; measured once, holding the lock
