@@ -124,3 +124,23 @@ def test_a_bucket_whose_kernels_all_fail_leaves_the_group_unchosen(caplog):
     by_rows = {4096: _shape(4096, 4096, 8)}
     with caplog.at_level(logging.WARNING):
         assert group_kernels(by_rows, ["torch_varlen", "cudnn"], 4, broken, {}, _key) is None
+
+
+def test_buckets_between_two_agreeing_neighbours_take_their_kernels_untimed():
+    """Seven buckets of several slots: every other one and the largest are timed; a bucket between two that chose
+    the same kernel takes it untimed, and one between two that differ (the crossing, here at 3000 rows) is timed and
+    gets its own fastest. The choice equals timing every bucket."""
+    timed = []
+
+    def time_ms(name, shape):
+        timed.append((name, shape.rows))
+        faster = "torch_varlen" if shape.rows < 3000 else "cudnn"
+        return 1.0 if name == faster else 2.0
+
+    rows = [256, 512, 1024, 2048, 4096, 8192, 16384]
+    by_rows = {r: _shape(r, 64, 8) for r in rows}  # window-like: no one-segment entries
+    chosen = group_kernels(by_rows, ["torch_varlen", "cudnn"], 28, time_ms, {}, _key)
+    assert chosen == (
+        "256:torch_varlen;512:torch_varlen;1024:torch_varlen;2048:torch_varlen;4096:cudnn;8192:cudnn;16384:cudnn"
+    )
+    assert sorted({r for _, r in timed}) == [256, 1024, 2048, 4096, 16384]  # 512 and 8192 between agreeing ones

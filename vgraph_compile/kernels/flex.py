@@ -13,15 +13,15 @@ attention, so nothing is built on the host and nothing goes stale across CUDA gr
   the backward pass and are skipped: their ``vmap`` fails when the op runs under AOT autograd's runtime modes.
 
 The mask is built by plain device ops (captured with the rest of a bucket's graph). On CUDA ``flex_attention``
-itself runs through ``torch.compile`` (one Triton kernel, dynamic in the rows; the first call of a head dim and dtype
-compiles, so it belongs to the warm-up run before capture; later calls with other rows or offsets reuse it). Compiling the mask's construction together
-with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment straddling a tile edge next to the padding
-block) although the tiles equal ``create_block_mask``'s; built outside, the same mask gives the exact result. On the
-CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails to lower a ``mask_mod`` that reads a captured
-tensor, and the eager path is the exact unfused computation. A masked tile still multiplies masked values by a
-zero weight, so the kernel runs ``segments.confined``: a NaN/Inf in one segment reaches no other. Its queries are
-confined too: in bf16, flex spreads a NaN in one query row to other rows of its head (measured on the CPU, torch
-2.11-2.13, and seen as a failed isolation test on an H200).
+itself runs through ``torch.compile`` (one Triton kernel, dynamic in the rows; the first call of a head dim and
+dtype compiles, so it belongs to the warm-up run before capture; later calls with other rows or offsets reuse it).
+Compiling the mask's construction together with the kernel gave wrong rows on an H200 (torch 2.11: a 7-row segment
+straddling a tile edge next to the padding block) although the tiles equal ``create_block_mask``'s; built outside,
+the same mask gives the exact result. On the CPU everything runs eagerly: torch 2.11-2.13's CPU flex template fails
+to lower a ``mask_mod`` that reads a captured tensor, and the eager path is the exact unfused computation. A masked
+tile still multiplies masked values by a zero weight, so the kernel runs ``segments.confined``: a NaN/Inf in one
+segment reaches no other. Its queries are confined too: in bf16, flex spreads a NaN in one query row to other rows
+of its head (measured on the CPU, torch 2.11-2.13, and seen as a failed isolation test on an H200).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ one index gather packs them in sequence order (the rows past each rank's slice d
 the segments on strided views of the three, the inverse gather puts the rows back per rank, and a second
 all-to-all returns each rank its own rows with every head: two collectives and two gathers per site, whatever the
 tensors (on two H200s, Qwen3-VL's q, k and v each in a collective of their own and gathered apart cost 5.5 of a
-24 ms call at 1x1344^2). Local rows past ``slice_rows`` come out zero. Both collectives are ``torch.ops._c10d_functional`` ones on the group's name, so
-they run inside captured CUDA graphs with NCCL (and on gloo for CPU tests).
+24 ms call at 1x1344^2). Local rows past ``slice_rows`` come out zero. Both collectives are
+``torch.ops._c10d_functional`` ones on the group's name, so they run inside captured CUDA graphs with NCCL (and on
+gloo for CPU tests).
 """
 
 from __future__ import annotations

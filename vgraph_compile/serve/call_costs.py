@@ -194,7 +194,7 @@ def load_padding_costs(key: str) -> PaddingCosts | None:
     """The padding costs saved under ``key`` (module docstring), or None (never saved, or unreadable)."""
     saved = load_timings(_padding_costs_path()).get(key)
     try:
-        return PaddingCosts(**{name: tuple(value) if isinstance(value, list) else value for name, value in saved.items()})
+        return PaddingCosts(**{name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()})
     except (AttributeError, TypeError):
         return None
 
