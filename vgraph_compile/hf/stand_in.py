@@ -14,7 +14,12 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TowerStandIn", "first_line"]
+__all__ = ["TowerStandIn", "TraceRefused", "first_line"]
+
+
+class TraceRefused(Exception):
+    """A tier's trace of the tower was refused at a call (``args[0]``: the refusal, a ValueError): the tier hands the
+    tower down, and the stand-in's ``forward`` serves the call by the module below."""
 
 
 def first_line(error: Exception) -> str:

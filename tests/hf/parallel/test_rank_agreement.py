@@ -116,11 +116,33 @@ def _every_rank_failing_raises_its_own_error(group):
             tower(*inputs(tower, [(1, 8, 8), (1, 8, 12)], 0))
 
 
+def _a_trace_refused_at_the_first_call_hands_down_on_every_rank(group):
+    """Muse's whole-tower trace is refused at its first call (its attention reads ``max_seqlen`` with ``.item()``):
+    over a process group, every rank hands the tower down to block graphs at that call, with no collective issued
+    by one rank and not the other, and each serves it whole, equal to the stock tower; the next call too."""
+    from vgraph_compile.hf import CompiledBlockTower, compile_vision_tower, routed_attention
+    from vgraph_compile.sample_models.vision_utils_towers import build_tower, tower_call
+
+    tower = build_tower("muse_spark", tiny=True)
+    served = compile_vision_tower(
+        tower, token_budgets=[256], compiler="eager", attention_backend="sdpa", process_group=group
+    )
+    for grid in ([(1, 8, 12)], [(1, 4, 8), (1, 8, 8)]):
+        args, kwargs = tower_call("muse_spark", tower, grid)
+        with torch.no_grad():
+            out = served(*args, **kwargs)
+        with torch.no_grad(), routed_attention(tower):
+            ref = tower(*args, **kwargs)
+        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    assert isinstance(served.replacement, CompiledBlockTower)
+
+
 CHECKS = {
     2: [
         _warm_up_serves_from_buckets_every_rank_captured,
         _a_rank_failing_after_the_check_raises_on_every_rank,
         _every_rank_failing_raises_its_own_error,
+        _a_trace_refused_at_the_first_call_hands_down_on_every_rank,
     ]
 }
 
@@ -135,3 +157,7 @@ def test_a_rank_failing_after_the_check_raises_on_every_rank(gloo_group):
 
 def test_every_rank_failing_raises_its_own_error(gloo_group):
     assert_passed(gloo_group, _every_rank_failing_raises_its_own_error, CHECKS)
+
+
+def test_a_trace_refused_at_the_first_call_hands_down_on_every_rank(gloo_group):
+    assert_passed(gloo_group, _a_trace_refused_at_the_first_call_hands_down_on_every_rank, CHECKS)

@@ -69,7 +69,12 @@ class ParallelTower:
         the sequence-parallel items' rows, agrees that every rank succeeded, runs the sequence graphs (their
         all-to-alls span the ranks), agrees again, and gathers everyone's outputs. A rank whose work raised makes
         every rank raise at the next agreement (``rank_agreement.agree_on_success``), so none is left in a
-        collective the others skipped."""
+        collective the others skipped.
+
+        The local graphs are traced first (not under ``parallel="sequence"``, which needs none): a tower whose
+        whole forward is not one graph is refused alike on every rank (the same tower, options and synthetic
+        image), so every rank hands it down (``TraceRefused``) at its first call, before any collective of it,
+        and the module below (block graphs, which encode each call whole on every rank) serves it."""
         group = self.process_group
         checks = rank_agreement.check_group(group, self.parameter.device)
         try:
@@ -89,6 +94,8 @@ class ParallelTower:
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         if self.parallel == "sequence" and self.sequence_refusal:
             raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
+        if self.parallel != "sequence":  # the local graphs first, before any collective of the call
+            self._warm_up()
         if self.parallel != "sequence" and self.frames_split_exactly:
             grid = list(parallel_plan.split_frames(grid, ranks))  # the same rows: the outputs are the same
         plan = self._plan(grid, ranks)

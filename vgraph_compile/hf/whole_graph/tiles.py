@@ -62,7 +62,7 @@ from vgraph_compile.analyze import TILE_ANALYSES
 from vgraph_compile.config import VGraphConfig
 from vgraph_compile.entry.decorator import CompiledEncoderFunction
 from vgraph_compile.hf.outputs import OutputFactory
-from vgraph_compile.hf.stand_in import TowerStandIn
+from vgraph_compile.hf.stand_in import TowerStandIn, TraceRefused
 
 __all__ = [
     "CompiledTileTower",
@@ -290,7 +290,7 @@ class CompiledTileTower(TowerStandIn):
                     try:
                         return self._first_call(traced, args)
                     except ValueError as refusal:  # the input was checked: the trace is refused
-                        raise _TraceRefused(refusal) from refusal
+                        raise TraceRefused(refusal) from refusal
         if traced.one_tile is not None and args[0].shape[0] == 1:
             return traced.one_tile(*args)
         return traced.dynamic(*args) if traced.dynamic.traced else _trace(traced.dynamic, args)
@@ -329,7 +329,7 @@ class CompiledTileTower(TowerStandIn):
         if self.replacement is None:
             try:
                 return self._serve(pixel_values, patch_attention_mask, output_hidden_states, return_dict)
-            except _TraceRefused as refusal:
+            except TraceRefused as refusal:
                 if self.trace_refused is None:
                     raise refusal.args[0] from None
                 self.hand_down(self.trace_refused, str(refusal.args[0]))
@@ -382,10 +382,6 @@ class CompiledTileTower(TowerStandIn):
                 f"patch_attention_mask must be [tiles, patches high, patches wide] with one row per tile of "
                 f"pixel_values ({pixel_values.shape[0]}), got {tuple(mask.shape)}"
             )
-
-
-class _TraceRefused(Exception):
-    """The first trace of an argument structure was refused (``args[0]``: the refusal, a ValueError)."""
 
 
 def _trace(compiled: CompiledEncoderFunction, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -35,7 +35,7 @@ from vgraph_compile.hf.interface.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.outputs import OutputFactory
 from vgraph_compile.hf.interface.packed_tower import PackedTower, grid_argument, metadata_leaves
 from vgraph_compile.hf.parallel.parallel_tower import ParallelTower
-from vgraph_compile.hf.stand_in import TowerStandIn
+from vgraph_compile.hf.stand_in import TowerStandIn, TraceRefused
 from vgraph_compile.hf.whole_graph.batching import Batch, pack, row_starts
 from vgraph_compile.hf.whole_graph.tower_call import TowerCall, traced_window_offsets
 from vgraph_compile.hf.interface.tower_interfaces import tower_interface
@@ -262,7 +262,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         """
         try:
             self._warm_up()
-        except _TraceRefused:
+        except TraceRefused:
             if not self.replacement.runtimes:
                 pixel_values, grid = self._synthetic_image()
                 arguments = {self.pixel_argument: pixel_values, self.interface.grid_argument: torch.tensor(grid)}
@@ -283,13 +283,13 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         return torch.randn((rows, *self.interface.pixel_shape), device=parameter.device, dtype=parameter.dtype)
 
     def _warm_up(self) -> None:
-        """The whole-tower trace made once, however many threads make their first call at once; ``_TraceRefused``
+        """The whole-tower trace made once, however many threads make their first call at once; ``TraceRefused``
         once it is refused (the replacement serves). A warmed tower returns without the lock (every call asks)."""
         if self.replacement is None and self.compiled.vgraph.runtimes:
             return
         with self._warmup_lock:
             if self.replacement is not None:
-                raise _TraceRefused
+                raise TraceRefused
             if self.compiled.vgraph.runtimes:
                 return
             pixel_values, grid = self._synthetic_image()
@@ -299,10 +299,10 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
             except BudgetRefused:  # the caller's token_budgets, not the tower: said as it is, before any compile
                 raise
             except ValueError as refusal:  # the whole forward is not one graph (the input is ours)
-                if self.trace_refused is None or self.process_group is not None:
+                if self.trace_refused is None:
                     raise
                 self.hand_down(self.trace_refused, str(refusal))
-                raise _TraceRefused from refusal
+                raise TraceRefused(refusal) from refusal
 
     def _run(self, pixel_values: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
         """The compiled tower on one batch, keyed by its grid: the metadata is the grid's, from the cache."""
@@ -333,7 +333,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
         if self.replacement is None:
             try:
                 return self._forward(*args, **kwargs)
-            except _TraceRefused:
+            except TraceRefused:
                 pass
         if not self.training and not torch.is_grad_enabled():
             arguments = self._bound(args, kwargs)
@@ -433,10 +433,6 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
             fields[field.name] = values[0] if field.count is None else values
             position += field.tensors
         return self.make_output(fields)
-
-
-class _TraceRefused(Exception):
-    """The warm-up trace was refused and ``replacement`` now serves the tower."""
 
 
 def is_packed_tower(tower: torch.nn.Module) -> bool:
