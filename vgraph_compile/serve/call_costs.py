@@ -160,7 +160,7 @@ def measure_padding_costs(
     """Time the compiled code's host launch once (at the smallest bucket's sizes, no graph, no sync), then each
     bucket's replays (``PaddingCosts``), largest first, down to the first bucket whose one-segment replay could not
     hide those launches (the smaller ones cannot either)."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         fills.empty_bucket(buckets[0], roles)
         exact(list(buckets[0].inputs))  # first run: allocations, lazy loads
@@ -205,11 +205,13 @@ def save_padding_costs(key: str, costs: PaddingCosts) -> None:
 
 
 def _random_tokens(bucket: Bucket, roles: dict[int, Role], generator: torch.Generator) -> None:
-    """Fill ``bucket`` as a call with no tokens, but with random values in its floating token rows."""
+    """Fill ``bucket`` as a call with no tokens, but with random values in its floating token rows, drawn on the
+    generator's device (the buckets' own at warm-up: on the host, a 16,384-row bucket's pixel rows of 1,536 values
+    take 0.15 s to draw on two cores, before the copy, and the padding costs draw every timed bucket's twice)."""
     fills.empty_bucket(bucket, roles)
     for index, buffer in bucket.buffers.items():
         if roles[index] is Role.TOKENS and buffer.is_floating_point():
-            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+            buffer.copy_(torch.randn(buffer.shape, generator=generator, device=generator.device).to(buffer.dtype))
 
 
 def fill_full(bucket: Bucket, spec: VarlenSpec, roles: dict[int, Role], generator: torch.Generator) -> None:
@@ -259,7 +261,7 @@ def measure_call_costs(
 ) -> CallCosts:
     """Time ``run(bucket)`` (its replay) and ``exact(list(bucket.inputs))`` (the compiled code, no graph) for every
     bucket, each filled full."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
     replay_ms, exact_ms = [], []
     with torch.no_grad():
         for bucket in buckets:
