@@ -13,13 +13,14 @@ gets an id, its segment (rows past ``cu_seqlens[-1]`` get one id of their own, t
   above ``-C^2 * scale + 100``: against the confined (finite) v it adds an exact 0.
 
 Each kernel is the first choice of SDPA's priority list, the memory-efficient kernel and math after it, so a shape
-the named kernel cannot run (a call at exact size below every bucket) still runs. The columns take head-dim room:
-72 + 2 columns run at 80 (one segment slot, the padding rows its second id), 72 + 10 at 88 (16 slots). q, k and v
-are zero-padded to the width (a multiple of 8) and the columns written into q's and k's padding; the output is
-sliced back. (Built by concatenating each row's pieces instead, the copy of q and k took 4.2 of 62 ms of a
-released Qwen2-VL call of 9,216 patches on an H200, five times their memory traffic.) The work is quadratic in all the rows, not per segment (``AttentionBackend.whole_rows``):
-``attention_backend="auto"`` gives it only calls whose offsets hold one segment slot (one image at its exact size,
-or a bucket of one), where timing says it is fastest, so it always runs with the two columns.
+the named kernel cannot run (a call at exact size below every bucket) still runs. The columns take head-dim room: 72
++ 2 columns run at 80 (one segment slot, the padding rows its second id), 72 + 10 at 88 (16 slots). q, k and v are
+zero-padded to the width (a multiple of 8) and the columns written into q's and k's padding; the output is sliced
+back. (Built by concatenating each row's pieces instead, the copy of q and k took 4.2 of 62 ms of a released
+Qwen2-VL call of 9,216 patches on an H200, five times their memory traffic.) The work is quadratic in all the rows,
+not per segment (``AttentionBackend.whole_rows``): ``attention_backend="auto"`` gives it only calls whose offsets
+hold one segment slot (one image at its exact size, or a bucket of one), where timing says it is fastest, so it
+always runs with the two columns.
 NaN/Inf isolation is ``segments.confined``'s: a non-finite k/v entry is zeroed for the kernel and its segment's head
 comes out NaN; a query row reads only its own q, so q needs no confinement.
 
