@@ -137,12 +137,37 @@ def _a_trace_refused_at_the_first_call_hands_down_on_every_rank(group):
     assert isinstance(served.replacement, CompiledBlockTower)
 
 
+def _a_rank_failing_its_first_warm_up_raises_on_every_rank(group):
+    """A fresh tower whose first call's warm-up fails on rank 1 after the ranks agreed on their buckets (its replay
+    of the synthetic image, injected): that call raises the same ``RankFailure`` on every rank, promptly; the next
+    call is served, equal to the stock tower."""
+    from tests.hf.gloo_group import OPTIONS, _TOWERS
+    from vgraph_compile.compile.buckets import Bucket
+    from vgraph_compile.hf import compile_vision_tower
+    from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
+
+    stock = qwen_tower("qwen2-vl", "cpu", torch.float32, **TOY_SIZES["qwen2-vl"])
+    tower = compile_vision_tower(stock, process_group=group, **{**OPTIONS, "parallel": "data"})
+    _TOWERS.append(tower)
+    pixel_values, grid_thw = inputs(tower, [(1, 8, 8), (1, 8, 12)], 0)
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setenv(artifacts.ENVIRONMENT_VARIABLE, "")  # its own build, not a plan another check saved
+        if dist.get_rank(group) == 1:
+            patch.setattr(Bucket, "run", _out_of_memory)
+        _raises_on_every_rank(tower, pixel_values, grid_thw, "OutOfMemoryError: out of memory")
+    with torch.no_grad():
+        out, alone = tower(pixel_values, grid_thw), stock(pixel_values, grid_thw)
+    for mine, theirs in zip(output_fields(out), output_fields(alone), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
 CHECKS = {
     2: [
         _warm_up_serves_from_buckets_every_rank_captured,
         _a_rank_failing_after_the_check_raises_on_every_rank,
         _every_rank_failing_raises_its_own_error,
         _a_trace_refused_at_the_first_call_hands_down_on_every_rank,
+        _a_rank_failing_its_first_warm_up_raises_on_every_rank,
     ]
 }
 
@@ -161,3 +186,7 @@ def test_every_rank_failing_raises_its_own_error(gloo_group):
 
 def test_a_trace_refused_at_the_first_call_hands_down_on_every_rank(gloo_group):
     assert_passed(gloo_group, _a_trace_refused_at_the_first_call_hands_down_on_every_rank, CHECKS)
+
+
+def test_a_rank_failing_its_first_warm_up_raises_on_every_rank(gloo_group):
+    assert_passed(gloo_group, _a_rank_failing_its_first_warm_up_raises_on_every_rank, CHECKS)

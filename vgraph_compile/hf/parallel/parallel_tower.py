@@ -25,6 +25,7 @@ from vgraph_compile.hf.parallel import data_parallel, parallel_plan, rank_agreem
 from vgraph_compile.hf.interface.grid_metadata import Grid, GridMetadata
 from vgraph_compile.hf.attention import routed_attention
 from vgraph_compile.hf.interface.packed_tower import metadata_leaves, rows_per_unit
+from vgraph_compile.hf.stand_in import TraceRefused
 from vgraph_compile.hf.whole_graph.batching import row_starts
 from vgraph_compile.hf.whole_graph.tower_call import traced_window_offsets
 
@@ -71,10 +72,8 @@ class ParallelTower:
         every rank raise at the next agreement (``rank_agreement.agree_on_success``), so none is left in a
         collective the others skipped.
 
-        The local graphs are traced first (not under ``parallel="sequence"``, which needs none): a tower whose
-        whole forward is not one graph is refused alike on every rank (the same tower, options and synthetic
-        image), so every rank hands it down (``TraceRefused``) at its first call, before any collective of it,
-        and the module below (block graphs, which encode each call whole on every rank) serves it."""
+        The first call traces and captures the local graphs before anything else (``_first_warm_up``; not under
+        ``parallel="sequence"``, which needs none)."""
         group = self.process_group
         checks = rank_agreement.check_group(group, self.parameter.device)
         try:
@@ -94,8 +93,8 @@ class ParallelTower:
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         if self.parallel == "sequence" and self.sequence_refusal:
             raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
-        if self.parallel != "sequence":  # the local graphs first, before any collective of the call
-            self._warm_up()
+        if self.parallel != "sequence" and not self.compiled.vgraph.runtimes:
+            self._first_warm_up(checks)
         if self.parallel != "sequence" and self.frames_split_exactly:
             grid = list(parallel_plan.split_frames(grid, ranks))  # the same rows: the outputs are the same
         plan = self._plan(grid, ranks)
@@ -138,6 +137,21 @@ class ParallelTower:
         """Rows per merged unit of each flat output field (``data_parallel.gather``'s ``folds``)."""
         _, folds = rows_per_unit(self.interface.outputs)
         return [fold for field, fold in zip(self.interface.outputs, folds) for _ in range(field.tensors)]
+
+    def _first_warm_up(self, checks: tuple) -> None:
+        """The local graphs traced and captured, at the first call, before any other collective of it. A tower
+        whose whole forward is not one graph is refused alike on every rank (the same tower, options and synthetic
+        image): every rank hands it down here (``TraceRefused``), and the module below (block graphs, which encode
+        each call whole on every rank) serves it. Any other failure of one rank's warm-up makes every rank raise
+        (``rank_agreement.agree_on_success``), so none waits in a collective the others skipped."""
+        failure = None
+        try:
+            self._warm_up()
+        except TraceRefused:
+            raise
+        except Exception as error:
+            failure = error
+        rank_agreement.agree_on_success(failure, *checks)
 
     def _plan(self, grid: list[tuple[int, int, int]], ranks: int) -> parallel_plan.ParallelPlan:
         """Which items go sequence parallel, which data parallel and where: from ``parallel``, the grid and the
