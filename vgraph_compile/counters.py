@@ -48,6 +48,9 @@ class Counters:
     """Eager forwards run to learn a packed tower's interface (``hf/interface/packed_tower``; none when it is loaded)."""
     interfaces_loaded: int = 0
     """Packed towers' interfaces loaded from a saved entry instead of probed (``hf/interface/tower_interfaces``)."""
+    padding_costs_loaded: int = 0
+    """Runtimes whose padding costs were loaded, saved with their compiled code, instead of timed
+    (``serve/call_costs``)."""
     buckets_built: int = 0
     """Buckets given buffers (each runs the one compiled graph at its sizes)."""
     graphs_captured: int = 0

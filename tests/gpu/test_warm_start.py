@@ -40,8 +40,9 @@ print(json.dumps({"counters": counters.snapshot(), "frames": frames, "errors": e
 
 
 def test_a_second_process_captures_and_replays_the_saved_plan(tmp_path):
-    """The child assembles the encoder from the plan and the artifact, captures both buckets' graphs and replays
-    every call: no dynamo frame, no trace, no compile; fp32 rows equal eager."""
+    """The child assembles the encoder from the plan and the artifact, captures both buckets' graphs, loads the
+    padding costs the parent timed (the same inductor cache) and replays every call: no dynamo frame, no trace, no
+    compile, no timing; fp32 rows equal eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = PackedViT(patch_dim=12, dim=16, depth=1, heads=2, out_dim=8).cuda().eval()
@@ -60,7 +61,8 @@ def test_a_second_process_captures_and_replays_the_saved_plan(tmp_path):
     report = json.loads(child.stdout.strip().splitlines()[-1])
     moved = {name: value for name, value in report["counters"].items() if value}
     assert moved == dict(
-        plans_loaded=1, artifacts_loaded=1, buckets_built=2, graphs_captured=2, graphs_uploaded=2, replays=3
+        plans_loaded=1, artifacts_loaded=1, padding_costs_loaded=1, buckets_built=2, graphs_captured=2,
+        graphs_uploaded=2, replays=3,
     )
     assert report["frames"] == 0
     assert all(error is not False and error <= 1e-5 for error in report["errors"]), report["errors"]

@@ -243,7 +243,9 @@ class VGraphRuntime:
             if self.padding is None:
                 key = self._padding_costs_key()
                 self.padding = load_padding_costs(key) if key is not None else None
-                if self.padding is None:
+                if self.padding is not None:
+                    counters.padding_costs_loaded += 1
+                else:
                     self.padding = self._measure(measure_padding_costs)
                     if key is not None:
                         save_padding_costs(key, self.padding)
