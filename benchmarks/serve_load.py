@@ -6,13 +6,16 @@ Model: Qwen2.5-VL-7B or InternVL3-1B at released sizes (random weights, bf16), s
 torchvision). Requests: the real-photo mix of ``benchmarks/ttft.py`` (1-4 of scikit-image's sample photos resized to
 varied sides, 20-300 text tokens; no videos), sent as JPEG data URLs and streamed, greedy, ``--new-tokens`` each,
 through the ``openai`` client by 1, 4 and 16 concurrent clients; the server's own processor turns them into pixels.
-Per system and concurrency: TTFT p50/p99 (request sent to first content chunk), requests per second, and the
-tower's share (its time, synchronized at entry and exit, over the level's wall time); per system the start-up
-(process start to ``/health`` answering; vgraph: and the precompile). Both servers get the same requests: the
+Per system and concurrency: TTFT p50/p99 (request sent to first content chunk), requests per second, the
+tower's share (its time, synchronized at entry and exit, over the level's wall time), and the mean request's TTFT
+broken down (``breakdown``: the processor with its image decode, the prefill and the tower inside it, and the rest:
+HTTP and JSON, the wait for the server's one generate thread, the first token's trip back); per system the
+start-up (process start to ``/health`` answering; vgraph: and the precompile) and the TTFT of the first two
+requests after readiness (``first_requests_ttft_ms``, not in any level). Both servers get the same requests: the
 answers (their token words) are compared request by request.
 
 The server processes run this file with ``--serve``: transformers' ``Serve`` with ``ModelManager`` (stock) or
-``vgraph_compile.hf.server.manager_class`` (vgraph), each extended with the tower clock only.
+``vgraph_compile.hf.server.manager_class`` (vgraph), each extended with the server clock only (``ServerClock``).
 
     python benchmarks/serve_load.py --model qwen2.5-vl       # ~5 min on an H100: checkpoint, stock, precompile, vgraph
     python benchmarks/serve_load.py --model internvl3-1b
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
+import functools
 import io
 import json
 import re
@@ -46,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -63,46 +68,93 @@ TINY_OPTIONS = ["--budgets", "128", "512", "--max-items", "4", "--options", '{"c
 
 
 # -- the server side (``--serve``) ----------------------------------------------------------------------------
-class TowerClock:
-    """Forward hooks on a vision tower: its total wall time (the device synchronized at entry and exit) and calls,
-    rewritten to a JSON file after every call."""
+class ServerClock:
+    """Where a server's time goes, as totals and counts rewritten to a JSON file after every span: ``processor``
+    (the chat template with its images: decode, resize, tokens), ``prefill`` (each ``generate`` from its start to
+    the end of its first forward, the device synchronized there: the tower's call inside it) and ``tower`` (its
+    forward, the device synchronized at entry and exit). transformers' server runs one ``generate`` at a time on
+    one thread, so a request's prefill is never another's."""
 
-    def __init__(self, tower: torch.nn.Module, path: str) -> None:
-        self.path, self.total_ms, self.calls, self.start = path, 0.0, 0, 0.0
-        self.cuda = next(tower.parameters()).is_cuda
-        tower.register_forward_pre_hook(self._enter)
-        tower.register_forward_hook(self._exit)
+    def __init__(self, path: str, cuda: bool) -> None:
+        self.path, self.cuda = path, cuda
+        self.totals: dict[str, float] = {name: 0.0 for name in SPANS}
+        self.counts: dict[str, int] = {name: 0 for name in SPANS}
+        self.lock, self.local = threading.Lock(), threading.local()
         self._write()
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def _enter(self, *_: Any) -> None:
-        self._sync()
-        self.start = time.perf_counter()
-
-    def _exit(self, *_: Any) -> None:
-        self._sync()
-        self.total_ms += 1e3 * (time.perf_counter() - self.start)
-        self.calls += 1
-        self._write()
+    def add(self, name: str, start: float) -> None:
+        with self.lock:
+            self.totals[name] += 1e3 * (time.perf_counter() - start)
+            self.counts[name] += 1
+            self._write()
 
     def _write(self) -> None:
-        Path(self.path).write_text(json.dumps({"tower_ms": self.total_ms, "calls": self.calls}))
+        spans = {name: {"ms": self.totals[name], "calls": self.counts[name]} for name in SPANS}
+        Path(self.path).write_text(json.dumps(spans))
+
+    def install(self, model: torch.nn.Module, processor: Any, tower: torch.nn.Module) -> None:
+        """Wrap ``processor.apply_chat_template``, ``model.generate`` and ``model.forward``, and hook ``tower``."""
+        clock, local = self, self.local
+        template, generate, forward = processor.apply_chat_template, model.generate, model.forward
+
+        @functools.wraps(template)
+        def timed_template(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return template(*args, **kwargs)
+            finally:
+                clock.add("processor", start)
+
+        @functools.wraps(generate)
+        def timed_generate(*args: Any, **kwargs: Any) -> Any:
+            local.generate_start = time.perf_counter()
+            return generate(*args, **kwargs)
+
+        @functools.wraps(forward)  # generate reads the forward's signature
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            start = getattr(local, "generate_start", None)
+            if start is not None:  # the first forward of a generate: its prefill
+                local.generate_start = None
+                clock.sync()
+                clock.add("prefill", start)
+            return out
+
+        def enter(*_: Any) -> None:
+            clock.sync()
+            local.tower_start = time.perf_counter()
+
+        def exit_(*_: Any) -> None:
+            clock.sync()
+            clock.add("tower", local.tower_start)
+
+        processor.apply_chat_template = timed_template
+        model.generate, model.forward = timed_generate, timed_forward
+        tower.register_forward_pre_hook(enter)
+        tower.register_forward_hook(exit_)
+
+
+SPANS = ("processor", "prefill", "tower")
+"""The spans a ``ServerClock`` times."""
 
 
 def clocked(manager: type, path: str) -> type:
-    """``manager`` whose models' towers carry a ``TowerClock`` writing to ``path`` (installed once, after the
-    manager's own loading: after vgraph's warm-up)."""
+    """``manager`` whose models carry a ``ServerClock`` writing to ``path`` (installed once, after the manager's own
+    loading: after vgraph's warm-up)."""
     from vgraph_compile.hf.vlm import find_vision_tower
 
     class ClockedManager(manager):
         def load_model_and_processor(self, *args: Any, **kwargs: Any):
             model, processor = super().load_model_and_processor(*args, **kwargs)
-            if not hasattr(model, "_tower_clock"):
+            if not hasattr(model, "_server_clock"):
                 owner, attribute = find_vision_tower(model)
-                model._tower_clock = TowerClock(getattr(owner, attribute), path)
+                tower = getattr(owner, attribute)
+                model._server_clock = ServerClock(path, next(tower.parameters()).is_cuda)
+                model._server_clock.install(model, processor, tower)
             return model, processor
 
     return ClockedManager
@@ -174,7 +226,8 @@ def stream(port: int, model: str, content: list[dict], new_tokens: int) -> dict[
 
 def load_level(port: int, model: str, requests: list[list[dict]], clients: int, new_tokens: int, clock: Path):
     """``requests`` sent by ``clients`` concurrent clients (each takes the next unsent one): per-request records,
-    requests per second and the tower's share of the wall time."""
+    requests per second, the tower's share of the wall time, and the mean request's TTFT broken down
+    (``breakdown``)."""
     before = json.loads(clock.read_text())
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
@@ -187,10 +240,31 @@ def load_level(port: int, model: str, requests: list[list[dict]], clients: int, 
         "ttft_p50_ms": round(statistics.median(ttft), 1),
         "ttft_p99_ms": round(ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))], 1),
         "requests_per_s": round(len(records) / wall, 3),
-        "tower_share": round((after["tower_ms"] - before["tower_ms"]) / (1e3 * wall), 3),
-        "tower_calls": after["calls"] - before["calls"],
+        "tower_share": round((after["tower"]["ms"] - before["tower"]["ms"]) / (1e3 * wall), 3),
+        "tower_calls": after["tower"]["calls"] - before["tower"]["calls"],
+        "breakdown": breakdown(before, after, statistics.mean(ttft)),
         "ttft_ms": [round(value["ttft_ms"], 1) for value in records],
         "answers": [record["answer"] for record in records],
+    }
+
+
+def breakdown(before: dict, after: dict, mean_ttft_ms: float) -> dict[str, float]:
+    """The mean request's TTFT in ms: ``processor`` (chat template, image decode, tokens), ``prefill`` (generate's
+    start to its first forward's end) of which ``tower``, and ``rest``: the mean TTFT less the two (HTTP and JSON
+    both ways, the wait for the one generate thread, the first token's trip to the client)."""
+
+    def per_request(name: str) -> float:
+        calls = after[name]["calls"] - before[name]["calls"]
+        return (after[name]["ms"] - before[name]["ms"]) / calls if calls else 0.0
+
+    requests = max(1, after["prefill"]["calls"] - before["prefill"]["calls"])
+    processor, prefill = per_request("processor"), per_request("prefill")
+    tower = (after["tower"]["ms"] - before["tower"]["ms"]) / requests
+    return {
+        "processor": round(processor, 2),
+        "prefill": round(prefill, 2),
+        "tower": round(tower, 2),
+        "rest": round(mean_ttft_ms - processor - prefill, 2),
     }
 
 
@@ -238,9 +312,8 @@ class ServerProcess:
 
 def run_system(system, model_dir, serve_args, vgraph_args, requests, args, work) -> dict[str, Any]:
     server = ServerProcess(system, model_dir, serve_args, vgraph_args, work)
-    try:
-        for content in requests[:2]:  # the stock model's first calls (kernel choices, allocator) are not measured
-            stream(server.port, model_dir, content, args.new_tokens)
+    try:  # the first two requests after readiness, kept apart (the stock model's first calls choose kernels)
+        first = [stream(server.port, model_dir, content, args.new_tokens)["ttft_ms"] for content in requests[:2]]
         levels = {
             str(clients): load_level(
                 server.port, model_dir, requests[: max(args.requests, 4 * clients)], clients, args.new_tokens,
@@ -255,6 +328,7 @@ def run_system(system, model_dir, serve_args, vgraph_args, requests, args, work)
     return {
         "startup_s": server.startup_s,
         "startup_logged_s": float(logged.group(1)) if logged else None,
+        "first_requests_ttft_ms": [round(ms, 1) for ms in first],
         "levels": levels,
         "buckets": buckets.group(1) if buckets else None,
     }
@@ -357,7 +431,25 @@ def table(models: dict[str, Any]) -> str:
                 for key in ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "tower_share")
             ]
             lines.append(f"| {model} | {level} | {' | '.join(cells)} | {report['answers_equal'][level]} |")
+    lines += [
+        "",
+        "| model | clients | processor ms | prefill ms | of which tower ms | rest ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, report in models.items():
+        if "vgraph" not in report["systems"]:
+            continue
+        hf, vgraph = report["systems"]["hf"]["levels"], report["systems"]["vgraph"]["levels"]
+        for level in hf:
+            if "breakdown" not in hf[level] or "breakdown" not in vgraph[level]:  # a report made before the clock
+                continue
+            cells = [f"{hf[level]['breakdown'][key]} → {vgraph[level]['breakdown'][key]}" for key in BREAKDOWN]
+            lines.append(f"| {model} | {level} | {' | '.join(cells)} |")
     return "\n".join(lines)
+
+
+BREAKDOWN = ("processor", "prefill", "tower", "rest")
+"""The parts of a level's ``breakdown``, in the table's order."""
 
 
 def plot(models: dict[str, Any], path: Path) -> bool:
