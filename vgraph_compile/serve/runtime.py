@@ -84,9 +84,9 @@ class _Miss:
 _CHOICE_CACHE_SIZE = 4096
 _STAGED_CACHE_SIZE = 1024
 _UNKNOWN = object()
-PADDING_REASON = "its padding"
-ONE_SEGMENT_REASON = "its one-segment kernel"
 """A per-call-sizes cache's miss (its entries may be None)."""
+PADDING_REASON, ONE_SEGMENT_REASON = "its padding", "its one-segment kernel"
+"""Why a call runs at its exact sizes before any bucket (``VGraphRuntime._exact_first``)."""
 
 PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
 EXACT, STOCK = "compiled code at the exact size", "stock module"
