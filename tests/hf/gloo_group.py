@@ -294,3 +294,15 @@ def assert_passed(group: tuple[int, list[dict[str, str]]], check: Callable, chec
         pytest.skip(f"not run in the group of {ranks}")
     for rank, result in enumerate(results):
         assert result[_check_name(check)] == "ok", f"rank {rank} of {ranks}:\n{result[_check_name(check)]}"
+
+
+def passed_on_every_rank(checks: dict[int, list], apart: tuple[Callable, ...] = ()) -> Callable:
+    """One test per check of ``checks`` (every group size's, but those the module tests ``apart``): the check passed
+    on every rank of each group that runs it (``assert_passed``), named after the check."""
+    every = [check for check in dict.fromkeys(c for group in checks.values() for c in group) if check not in apart]
+
+    @pytest.mark.parametrize("check", every, ids=lambda check: check.__name__.lstrip("_"))
+    def test_passed_on_every_rank(gloo_group, check):
+        assert_passed(gloo_group, check, checks)
+
+    return test_passed_on_every_rank

@@ -22,6 +22,7 @@ from tests.hf.gloo_group import (
     compiled,
     inputs,
     parallel,
+    passed_on_every_rank,
     single,
     tiny_vlm,
     vlm_equals_stock,
@@ -170,16 +171,7 @@ CHECKS = {
 ``HYPOTHESIS_PROFILE=thorough``."""
 
 
-def test_collectives_are_compared_across_ranks(gloo_group):
-    assert_passed(gloo_group, _collectives_are_compared_across_ranks, CHECKS)
-
-
-def test_towers_equal_single_process(gloo_group):
-    assert_passed(gloo_group, _towers_equal_single_process, CHECKS)
-
-
-def test_mismatched_batches_raise_on_every_rank(gloo_group):
-    assert_passed(gloo_group, _mismatched_batches_raise_on_every_rank, CHECKS)
+test_passed_on_every_rank = passed_on_every_rank(CHECKS, apart=(_vlm_greedy_tokens_equal_stock,))
 
 
 def test_vlm_greedy_tokens_equal_stock(gloo_group):

@@ -9,7 +9,7 @@ The groups (``tests/hf/gloo_group.py``) run the checks of ``CHECKS``.
 
 import torch
 
-from tests.hf.gloo_group import assert_passed, compiled, inputs, parallel, single
+from tests.hf.gloo_group import compiled, inputs, parallel, passed_on_every_rank, single
 from vgraph_compile.hf.parallel.parallel_error import ERROR_BOUND_FACTOR, Float64Reference, output_fields, relative_error
 
 MODES = {
@@ -66,13 +66,4 @@ def _data_items_alone_are_bitwise_equal(group):
 CHECKS = {2: [_within_bound_float32, _within_bound_bfloat16, _data_items_alone_are_bitwise_equal]}
 
 
-def test_within_bound_float32(gloo_group):
-    assert_passed(gloo_group, _within_bound_float32, CHECKS)
-
-
-def test_within_bound_bfloat16(gloo_group):
-    assert_passed(gloo_group, _within_bound_bfloat16, CHECKS)
-
-
-def test_data_items_alone_are_bitwise_equal(gloo_group):
-    assert_passed(gloo_group, _data_items_alone_are_bitwise_equal, CHECKS)
+test_passed_on_every_rank = passed_on_every_rank(CHECKS)

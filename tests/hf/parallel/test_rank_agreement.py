@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.hf.gloo_group import assert_passed, compiled, inputs, parallel, single
+from tests.hf.gloo_group import compiled, inputs, parallel, passed_on_every_rank, single
 from vgraph_compile.compile import artifacts
 from vgraph_compile.compile.assemble import CompiledEncoder
 from vgraph_compile.hf.parallel.parallel_error import output_fields
@@ -172,21 +172,4 @@ CHECKS = {
 }
 
 
-def test_warm_up_serves_from_buckets_every_rank_captured(gloo_group):
-    assert_passed(gloo_group, _warm_up_serves_from_buckets_every_rank_captured, CHECKS)
-
-
-def test_a_rank_failing_after_the_check_raises_on_every_rank(gloo_group):
-    assert_passed(gloo_group, _a_rank_failing_after_the_check_raises_on_every_rank, CHECKS)
-
-
-def test_every_rank_failing_raises_its_own_error(gloo_group):
-    assert_passed(gloo_group, _every_rank_failing_raises_its_own_error, CHECKS)
-
-
-def test_a_trace_refused_at_the_first_call_hands_down_on_every_rank(gloo_group):
-    assert_passed(gloo_group, _a_trace_refused_at_the_first_call_hands_down_on_every_rank, CHECKS)
-
-
-def test_a_rank_failing_its_first_warm_up_raises_on_every_rank(gloo_group):
-    assert_passed(gloo_group, _a_rank_failing_its_first_warm_up_raises_on_every_rank, CHECKS)
+test_passed_on_every_rank = passed_on_every_rank(CHECKS)

@@ -23,6 +23,7 @@ from tests.hf.gloo_group import (
     compiled,
     inputs,
     parallel,
+    passed_on_every_rank,
     single,
     tiny_vlm,
     vlm_equals_stock,
@@ -220,6 +221,9 @@ CHECKS = {
 }
 
 
+test_passed_on_every_rank = passed_on_every_rank(CHECKS, apart=(_vlm_greedy_tokens_equal_stock,))
+
+
 def test_a_row_index_leaving_any_slice_raises_on_every_rank():
     """Rank 1's rows of a row index read row 3, in rank 0's slice: both ranks raise (each checks every slice), so
     no rank enters the all-to-all the other skips."""
@@ -231,29 +235,14 @@ def test_a_row_index_leaving_any_slice_raises_on_every_rank():
             localize({"order": index}, {("order", 0): 1}, (), split, rank)
 
 
-def test_moving_the_tower_releases_its_sequence_graphs(gloo_group):
-    assert_passed(gloo_group, _moving_the_tower_releases_its_sequence_graphs, CHECKS)
 
 
-def test_towers_equal_stock(gloo_group):
-    assert_passed(gloo_group, _towers_equal_stock, CHECKS)
-
-
-def test_nan_image_leaves_the_others_equal(gloo_group):
-    assert_passed(gloo_group, _nan_image_leaves_the_others_equal, CHECKS)
-
-
-def test_auto_counts_choices_and_mismatch_raises(gloo_group):
-    assert_passed(gloo_group, _auto_counts_choices_and_mismatch_raises, CHECKS)
 
 
 def test_vlm_greedy_tokens_equal_stock(gloo_group):
     pytest.importorskip("skimage", reason="the sample photographs come with scikit-image")
     assert_passed(gloo_group, _vlm_greedy_tokens_equal_stock, CHECKS)
 
-
-def test_auto_stream_stays_in_step(gloo_group):
-    assert_passed(gloo_group, _auto_stream_stays_in_step, CHECKS)
 
 
 def test_destroy_process_group_returns_quickly(gloo_group):
