@@ -70,9 +70,9 @@ def test_exact_size_saves_where_launches_hide_behind_the_rows_work_and_padding_i
     assert not costs.exact_saves(8192, 800)  # 3.9 ms of work: launches not hidden
     assert not costs.exact_saves(1024, 600)
     assert not costs.exact_saves(512, 300)
-    assert costs.launch_hidden(1024, 1000, one_segment=True) and not costs.launch_hidden(1024, 1000)
-    assert not costs.launch_hidden(1024, 600, one_segment=True)  # 2.9 ms of work
-    assert not costs.launch_hidden(512, 500, one_segment=True)
+    assert costs.launch_hides(costs.one_segment_work(1024, 1000)) and not costs.launch_hidden(1024, 1000)
+    assert not costs.launch_hides(costs.one_segment_work(1024, 600))  # 2.9 ms of work
+    assert not costs.launch_hides(costs.one_segment_work(512, 500))
 
 
 def test_a_one_segment_calls_measured_launch_replaces_the_warmups():
@@ -80,11 +80,13 @@ def test_a_one_segment_calls_measured_launch_replaces_the_warmups():
     ``ONE_SEGMENT_HOST_SHARE`` of their rows' share of the one-segment replay (bucket 8192: 100 ms; 4096 rows:
     50 ms), whatever the warm-up's launch time; calls of several segments keep the warm-up's."""
     costs = PaddingCosts(budgets=(1024, 8192), empty_ms=(2.0, 40.0), full_ms=(5.0, 100.0), exact_host_ms=2.0)
-    assert costs.launch_hidden(8192, 4096, one_segment=True)
-    assert costs.launch_hidden(8192, 4096, one_segment=True, one_segment_host_ms=ONE_SEGMENT_HOST_SHARE * 50)
-    assert not costs.launch_hidden(8192, 4096, one_segment=True, one_segment_host_ms=ONE_SEGMENT_HOST_SHARE * 50 + 1)
-    assert costs.launch_hidden(8192, 4096, one_segment_host_ms=45.0)  # several segments: the warm-up's 2 ms
-    assert not costs.launch_hidden(512, 500, one_segment=True, one_segment_host_ms=0.1)  # an untimed bucket
+    work = costs.one_segment_work(8192, 4096)
+    assert work == 50.0 and costs.launch_hides(work)
+    assert costs.launch_hides(work, one_segment_host_ms=ONE_SEGMENT_HOST_SHARE * 50)
+    assert not costs.launch_hides(work, one_segment_host_ms=ONE_SEGMENT_HOST_SHARE * 50 + 1)
+    assert costs.launch_hidden(8192, 4096)  # several segments: the warm-up's 2 ms
+    assert costs.one_segment_work(512, 500) is None
+    assert not costs.launch_hides(None, one_segment_host_ms=0.1)  # an untimed bucket
 
 
 def test_padding_costs_time_buckets_largest_first_down_to_the_first_that_hides_no_launch():

@@ -130,12 +130,11 @@ def test_a_one_segment_call_runs_at_its_exact_size_where_its_group_measured_anot
         # that exact run timed its own launch; a launch no call's work hides sends one-segment calls back to their
         # bucket, a small one sends them out again (the choices made before are made again)
         assert set(runtime.one_segment_host_ms) == {False} and "first run of its sizes" in runtime.stats_table()
-        # sizes seen before are weighed by a later run's launch, new sizes by a first run's
+        # sizes seen before are weighed by a later run's launch, new sizes by a first run's, at every call
         for first, later, lengths, replays in (
             (1e6, 1e-3, [127], 0), (1e-3, 1e6, [127], 1), (1e6, 1e-3, [126], 1), (1e-3, 1e6, [126], 0)
         ):
-            runtime.one_segment_host_ms.update({False: first, True: later})
-            runtime._exact_first_choices.clear()
+            runtime.one_segment_host_ms.update({False: first, True: later})  # weighed per call: no choice dropped
             inputs = pack_images(lengths, 12)
             with counters.expect(replays=replays):
                 torch.testing.assert_close(compiled(*inputs), one_segment_model(*inputs), rtol=1e-5, atol=1e-5)

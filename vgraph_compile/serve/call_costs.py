@@ -120,19 +120,24 @@ class PaddingCosts:
             return None
         return times[self.budgets.index(budget)] * rows / budget
 
-    def launch_hidden(
-        self, budget: int, rows: int, one_segment: bool = False, one_segment_host_ms: float | None = None
-    ) -> bool:
-        """Whether the compiled code's host launches hide (``EXACT_HOST_SHARE``) behind a call of ``rows`` rows at
-        its exact sizes: behind its rows' work outside attention, or, for a call of one segment, behind its rows'
-        share of the bucket's one-segment replay; there, where ``one_segment_host_ms`` (a one-segment exact run's
-        own launch) is known, that time within ``ONE_SEGMENT_HOST_SHARE`` of that share."""
-        work = self._share_ms(self.full_ms if one_segment else self.empty_ms, budget, rows)
-        if work is None:
+    def one_segment_work(self, budget: int, rows: int) -> float | None:
+        """A one-segment call's rows' share of the bucket's one-segment replay, in ms (None where untimed)."""
+        return self._share_ms(self.full_ms, budget, rows)
+
+    def launch_hides(self, work_ms: float | None, one_segment_host_ms: float | None = None) -> bool:
+        """Whether the compiled code's host launches hide behind ``work_ms`` of a call's work at its exact sizes:
+        the warm-up's launch time within ``EXACT_HOST_SHARE`` of it, or, where ``one_segment_host_ms`` (a
+        one-segment exact run's own launch) is known, that time within ``ONE_SEGMENT_HOST_SHARE``."""
+        if work_ms is None:
             return False
-        if one_segment and one_segment_host_ms is not None:
-            return one_segment_host_ms <= ONE_SEGMENT_HOST_SHARE * work
-        return self.exact_host_ms <= EXACT_HOST_SHARE * work
+        if one_segment_host_ms is not None:
+            return one_segment_host_ms <= ONE_SEGMENT_HOST_SHARE * work_ms
+        return self.exact_host_ms <= EXACT_HOST_SHARE * work_ms
+
+    def launch_hidden(self, budget: int, rows: int) -> bool:
+        """Whether the warm-up's launch time hides (``launch_hides``) behind a call of ``rows`` rows at its exact
+        sizes: behind its rows' work outside attention."""
+        return self.launch_hides(self._share_ms(self.empty_ms, budget, rows))
 
     def exact_saves(self, budget: int, rows: int) -> bool:
         """Whether a call of ``rows`` rows runs faster at its exact sizes than padded to ``budget`` for its padding

@@ -88,6 +88,14 @@ _UNKNOWN = object()
 PADDING_REASON, ONE_SEGMENT_REASON = "its padding", "its one-segment kernel"
 """Why a call runs at its exact sizes before any bucket (``VGraphRuntime._exact_first``)."""
 
+
+@dataclass(frozen=True)
+class _OneSegment:
+    """A call whose one-segment kernel runs at its exact sizes where that run's launch hides behind ``work_ms``,
+    its rows' share of the bucket's one-segment replay (``PaddingCosts.launch_hides``; None: untimed, never)."""
+
+    work_ms: float | None
+
 PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
 EXACT, STOCK = "compiled code at the exact size", "stock module"
 CHOICES = (PADDED, SPLIT, EXACT, STOCK)
@@ -188,14 +196,15 @@ class VGraphRuntime:
         self._exact: dict[tuple[int, ...], dict[int, int] | None] = {}
         """Per call sizes: the size inputs of the compiled code at them, or None where it may not run at them (a size
         guard fails there)."""
-        self._exact_first_choices: dict[tuple[int, ...], str | None] = {}
-        """Per call sizes: why the call runs at its exact sizes before any bucket (``PADDING_REASON`` or
-        ``ONE_SEGMENT_REASON``), or None where it does not (``_exact_first``)."""
+        self._exact_first_choices: dict[tuple[int, ...], str | _OneSegment | None] = {}
+        """Per call sizes: why the call runs at its exact sizes before any bucket (``PADDING_REASON``, or
+        ``ONE_SEGMENT_REASON`` where nothing is timed), None where it does not, or, for a one-segment kernel, the
+        work its launch must hide behind (weighed per call by the latest launch: ``_exact_first``)."""
         self.one_segment_host_ms: dict[bool, float] = {}
         """Host times of the one-segment calls run at their exact sizes for their kernel (their launches, not waiting
         on the GPU; CUDA with padding costs only), keyed by whether the call's sizes ran so before: the latest of a
         first run (which builds what a new shape needs: cuDNN's plan, say) and of a later one. ``_exact_first``
-        weighs a call by the one of its kind (``PaddingCosts.launch_hidden``), the warm-up's until it is measured."""
+        weighs a call by the one of its kind (``PaddingCosts.launch_hides``), the warm-up's until it is measured."""
         self._exact_sizes_run: set[tuple[int, ...]] = set()
         """The call sizes (``plan.key``) a one-segment call ran at exactly (bounded like the choice caches)."""
         self.stock_ms: dict[int, list[tuple[int, float]]] = {}
@@ -461,29 +470,33 @@ class VGraphRuntime:
         """Why the call runs the compiled code at its exact sizes rather than any bucket (None: it does not), where
         the code may run at its sizes: its padding rows cost more than the exact run's host launch can lose
         (``PaddingCosts.exact_saves``: ``PADDING_REASON``), or a one-segment kernel (``_one_segment_kernel``) whose
-        launch hides behind the call's work (``PaddingCosts.launch_hidden``, by ``one_segment_host_ms`` once a
-        one-segment exact run measured it; the kernel's own timing cannot tell: ``ONE_SEGMENT_REASON``)."""
+        launch hides behind the call's work (``PaddingCosts.launch_hides``, by ``one_segment_host_ms`` of the call's
+        kind once a one-segment exact run measured it; the kernel's own timing cannot tell: ``ONE_SEGMENT_REASON``).
+        Per call sizes the choice is made once, but for a one-segment kernel the latest launch is weighed per call
+        (a float comparison)."""
         known = self._exact_first_choices.get(plan.key, _UNKNOWN)
-        if known is not _UNKNOWN:
-            return known
+        if known is _UNKNOWN:
+            known = self._exact_first_choice(bucket, plan)
+            if len(self._exact_first_choices) >= _CHOICE_CACHE_SIZE:
+                self._exact_first_choices.clear()
+            self._exact_first_choices[plan.key] = known
+        if isinstance(known, _OneSegment):
+            host_ms = self.one_segment_host_ms.get(plan.key in self._exact_sizes_run)
+            return ONE_SEGMENT_REASON if self.padding.launch_hides(known.work_ms, host_ms) else None
+        return known
+
+    def _exact_first_choice(self, bucket: Bucket, plan: CallPlan) -> str | _OneSegment | None:
+        """``_exact_first``'s choice for the call's sizes, made once per sizes."""
         padding, budget = self.padding, bucket.shape.budget
-        if padding is None:  # no graphs to leave (the CPU), or not measured yet: only for a one-segment kernel
-            reason = ONE_SEGMENT_REASON if self._one_segment_kernel(bucket, plan) else None
-        elif padding.exact_saves(budget, plan.tokens):
+        if padding is not None and padding.exact_saves(budget, plan.tokens):
             reason = PADDING_REASON
-        elif padding.launch_hidden(
-            budget, plan.tokens, one_segment=True,
-            one_segment_host_ms=self.one_segment_host_ms.get(plan.key in self._exact_sizes_run),
-        ) and self._one_segment_kernel(bucket, plan):
+        elif not self._one_segment_kernel(bucket, plan):
+            return None
+        elif padding is None:  # no graphs to leave (the CPU), or not measured yet
             reason = ONE_SEGMENT_REASON
         else:
-            reason = None
-        if reason is not None and not self._exact_allowed(bucket, plan):
-            reason = None
-        if len(self._exact_first_choices) >= _CHOICE_CACHE_SIZE:
-            self._exact_first_choices.clear()
-        self._exact_first_choices[plan.key] = reason
-        return reason
+            reason = _OneSegment(padding.one_segment_work(budget, plan.tokens))
+        return reason if self._exact_allowed(bucket, plan) else None
 
     def _one_segment_kernel(self, bucket: Bucket, plan: CallPlan) -> bool:
         """Whether some attention group holds one segment in the call, and that group's kernels give one segment of
@@ -519,8 +532,7 @@ class VGraphRuntime:
         """The compiled code on the call's own tensors (contiguous), no bucket buffer and no graph: its outputs are
         fresh tensors at the call's sizes. Holding the lock: the kernels' workspaces are the graphs' too. A call sent
         here for its one-segment kernel (``reason``) with padding costs measured times its launch
-        (``one_segment_host_ms``, by whether its sizes ran so before); the choices made for such calls are made
-        again by that time."""
+        (``one_segment_host_ms``, by whether its sizes ran so before), which later such calls are weighed by."""
         inputs = list(bucket.inputs)
         for index in self.encoder.record.layout.copied:
             inputs[index] = args[index].contiguous()
@@ -536,9 +548,6 @@ class VGraphRuntime:
                     self._exact_sizes_run.clear()
                 self.one_segment_host_ms[plan.key in self._exact_sizes_run] = (time.perf_counter() - begin) * 1e3
                 self._exact_sizes_run.add(plan.key)
-                for key, chosen in list(self._exact_first_choices.items()):
-                    if chosen == ONE_SEGMENT_REASON:
-                        self._exact_first_choices.pop(key, None)
         return outputs
 
     def _run_stock(self, stock: Callable[[], Any], budget: int, rows: int) -> StockServed:
