@@ -143,7 +143,9 @@ class ParallelTower:
         whose whole forward is not one graph is refused alike on every rank (the same tower, options and synthetic
         image): every rank hands it down here (``TraceRefused``), and the module below (block graphs, which encode
         each call whole on every rank) serves it. Any other failure of one rank's warm-up makes every rank raise
-        (``rank_agreement.agree_on_success``), so none waits in a collective the others skipped."""
+        (``rank_agreement.agree_on_success``), so none waits in a collective the others skipped. Whether a call
+        comes here (no runtime yet) is the same on every rank: a warm-up that returns on one rank built its
+        runtimes on every rank, which agreed on their buckets inside it."""
         failure = None
         try:
             self._warm_up()
