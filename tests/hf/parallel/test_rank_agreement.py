@@ -137,28 +137,38 @@ def _a_trace_refused_at_the_first_call_hands_down_on_every_rank(group):
     assert isinstance(served.replacement, CompiledBlockTower)
 
 
-def _a_rank_failing_its_first_warm_up_raises_on_every_rank(group):
-    """A fresh tower whose first call's warm-up fails on rank 1 after the ranks agreed on their buckets (its replay
-    of the synthetic image, injected): that call raises the same ``RankFailure`` on every rank, promptly; the next
-    call is served, equal to the stock tower."""
+def _fresh_tower(group):
+    """A toy Qwen2-VL tower compiled over ``group`` in data mode, never called (closed with the group)."""
     from tests.hf.gloo_group import OPTIONS, _TOWERS
-    from vgraph_compile.compile.buckets import Bucket
     from vgraph_compile.hf import compile_vision_tower
     from vgraph_compile.sample_models.qwen_towers import TOY_SIZES, qwen_tower
 
     stock = qwen_tower("qwen2-vl", "cpu", torch.float32, **TOY_SIZES["qwen2-vl"])
-    tower = compile_vision_tower(stock, process_group=group, **{**OPTIONS, "parallel": "data"})
-    _TOWERS.append(tower)
-    pixel_values, grid_thw = inputs(tower, [(1, 8, 8), (1, 8, 12)], 0)
-    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-        patch.setenv(artifacts.ENVIRONMENT_VARIABLE, "")  # its own build, not a plan another check saved
-        if dist.get_rank(group) == 1:
-            patch.setattr(Bucket, "run", _out_of_memory)
-        _raises_on_every_rank(tower, pixel_values, grid_thw, "OutOfMemoryError: out of memory")
-    with torch.no_grad():
-        out, alone = tower(pixel_values, grid_thw), stock(pixel_values, grid_thw)
-    for mine, theirs in zip(output_fields(out), output_fields(alone), strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    _TOWERS.append(compile_vision_tower(stock, process_group=group, **{**OPTIONS, "parallel": "data"}))
+    return _TOWERS[-1], stock
+
+
+def _a_rank_failing_its_first_warm_up_raises_on_every_rank(group):
+    """Rank 1's first warm-up fails, after its runtimes were built (its replay of the synthetic image, injected) or
+    before (its trace, injected, so rank 0 alone is warmed): that call raises the same ``RankFailure`` on every
+    rank, promptly; the next call is served, equal to the stock tower, both ranks taking the warm-up's agreement
+    alike (a warmed rank skipping it would pair its next collective with the other's)."""
+    from vgraph_compile.compile.buckets import Bucket
+    from vgraph_compile.hf.whole_graph.whole_tower import CompiledVisionTower
+
+    for failing in (Bucket, CompiledVisionTower):
+        tower, stock = _fresh_tower(group)
+        pixel_values, grid_thw = inputs(tower, [(1, 8, 8), (1, 8, 12)], 0)
+        with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+            patch.setenv(artifacts.ENVIRONMENT_VARIABLE, "")  # its own build, not a plan another check saved
+            if dist.get_rank(group) == 1:
+                patch.setattr(failing, "run" if failing is Bucket else "_warm_up", _out_of_memory)
+            _raises_on_every_rank(tower, pixel_values, grid_thw, "OutOfMemoryError: out of memory")
+        assert bool(tower.compiled.vgraph.runtimes) == (failing is Bucket or dist.get_rank(group) == 0)
+        with torch.no_grad():
+            out, alone = tower(pixel_values, grid_thw), stock(pixel_values, grid_thw)
+        for mine, theirs in zip(output_fields(out), output_fields(alone), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 CHECKS = {

@@ -81,7 +81,8 @@ class ParallelTower:
         except Exception as error:  # whatever one rank's input raises, every rank learns it refused, and raises
             grid, refused = [], error
         key = rank_agreement.REFUSED if refused else rank_agreement.grid_hash(grid)
-        agreed = rank_agreement.same_batch(key, *checks)
+        cold = self.parallel != "sequence" and not self.compiled.vgraph.runtimes
+        agreed, some_cold = rank_agreement.same_batch(key, *checks, cold=cold)
         if refused:
             raise refused
         if not agreed:
@@ -93,7 +94,7 @@ class ParallelTower:
         rank, ranks = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         if self.parallel == "sequence" and self.sequence_refusal:
             raise ValueError(f"parallel='sequence': {self.sequence_refusal}; use parallel='data'")
-        if self.parallel != "sequence" and not self.compiled.vgraph.runtimes:
+        if some_cold:  # on every rank alike, whichever warmed up already
             self._first_warm_up(checks)
         if self.parallel != "sequence" and self.frames_split_exactly:
             grid = list(parallel_plan.split_frames(grid, ranks))  # the same rows: the outputs are the same
@@ -143,9 +144,10 @@ class ParallelTower:
         whose whole forward is not one graph is refused alike on every rank (the same tower, options and synthetic
         image): every rank hands it down here (``TraceRefused``), and the module below (block graphs, which encode
         each call whole on every rank) serves it. Any other failure of one rank's warm-up makes every rank raise
-        (``rank_agreement.agree_on_success``), so none waits in a collective the others skipped. Whether a call
-        comes here (no runtime yet) is the same on every rank: a warm-up that returns on one rank built its
-        runtimes on every rank, which agreed on their buckets inside it."""
+        (``rank_agreement.agree_on_success``), so none waits in a collective the others skipped. Every rank comes
+        here when some rank has no runtime yet (``rank_agreement.same_batch``'s flag): after one rank's warm-up
+        failed alone, the others, warmed, take this agreement with it, where skipping it would pair their next
+        collective with it."""
         failure = None
         try:
             self._warm_up()

@@ -4,7 +4,9 @@ which every rank reaches at the same point of the same call.
 
 - **The batch** (``same_batch``), first in every call: a 62-bit hash of ``grid_thw`` (``grid_hash``, or
   ``REFUSED`` where this rank's input check failed) all-reduced with MAX over ``[hash, -hash]``; unequal hashes
-  mean the ranks got different batches, and every rank raises before any other collective.
+  mean the ranks got different batches, and every rank raises before any other collective. The same all-reduce
+  tells whether some rank's local graphs are not yet warmed up (a flag, MAX): then every rank takes the first
+  warm-up's step and its agreement, a warmed rank with nothing to do.
 - **Every rank's success** (``agree_on_success``), after each rank's own work on a call and before the collectives
   that need every rank's part (the sequence graphs' all-to-alls, the gathers): one all-reduce (MAX) of a flag per
   rank. A rank whose work raised (its tower on its share, out of memory, an item only it holds) sets its flag
@@ -69,12 +71,13 @@ def check_group(group, device: torch.device) -> tuple[Any, torch.device]:
     return side, torch.device("cpu")
 
 
-def same_batch(key: int, group, device: torch.device) -> bool:
-    """Whether every rank of ``group`` passed the same ``key``: one all-reduce (MAX of ``[key, -key]``)."""
-    both = torch.tensor([key, -key], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, negative_low = both.tolist()
-    return high == -negative_low
+def same_batch(key: int, group, device: torch.device, cold: bool = False) -> tuple[bool, bool]:
+    """(whether every rank of ``group`` passed the same ``key``, whether some rank is ``cold``): one all-reduce
+    (MAX of ``[key, -key, cold]``)."""
+    values = torch.tensor([key, -key, int(cold)], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    high, negative_low, any_cold = values.tolist()
+    return high == -negative_low, bool(any_cold)
 
 
 def agree_on_success(failure: Exception | None, group, device: torch.device) -> None:
