@@ -11,6 +11,8 @@ from vgraph_compile.kernels.registry import BACKENDS, AttentionBackendName
 
 CALL_CHOICES = ("measured", "smallest_bucket", "exact_size", "stock")
 """The values of ``VGraphConfig.call_choice``."""
+CAPTURES = ("behind", "first_call")
+"""The values of ``VGraphConfig.captures``."""
 from vgraph_compile.geometry import VisionGeometry
 
 __all__ = ["VGraphConfig", "generate_budgets"]
@@ -77,6 +79,13 @@ class VGraphConfig:
     reference) read packed [Q/K/O | V] element offsets."""
     cudagraphs: bool | None = None
     """Capture each bucket as a CUDA graph. None: on when the encoder runs on CUDA."""
+    captures: Literal["behind", "first_call"] = "behind"
+    """When the buckets' graphs are captured. behind: the first call is served at once and the buckets are captured
+    behind it on a background thread, largest first, one at a time between calls; until its bucket is captured a
+    call runs the compiled code at its exact sizes (padded, without a graph, where a size guard fails there);
+    ``warmup()`` captures what is left and returns once every graph is captured. first_call: the first call (or
+    ``warmup()``) captures every bucket before it is served. Over a process group whose graphs hold collectives, or
+    under sequence parallelism, every rank captures at its first call."""
     call_choice: Literal["measured", "smallest_bucket", "exact_size", "stock"] = "smallest_bucket"
     """How a call that fits a bucket is run. measured: the cheapest of padding it to the smallest bucket, splitting
     it over two smaller buckets (segments whole; where the encoder's inputs allow, ``serve/split``), running the
@@ -185,6 +194,8 @@ class VGraphConfig:
             raise ValueError(
                 f"VGraphConfig.call_choice={self.call_choice!r} is unknown: use one of {list(CALL_CHOICES)}"
             )
+        if self.captures not in CAPTURES:
+            raise ValueError(f"VGraphConfig.captures={self.captures!r} is unknown: use one of {list(CAPTURES)}")
         if self.attention_backend not in ("auto", "default", *BACKENDS):
             raise ValueError(
                 f"VGraphConfig.attention_backend={self.attention_backend!r} is unknown: "

@@ -61,6 +61,9 @@ class Counters:
     """Buckets given up: a guard of the compiled code fails at their sizes, or out of GPU memory at capture."""
     replays: int = 0
     """Calls served by a bucket graph."""
+    served_before_capture: int = 0
+    """Calls served while their bucket's graph was still to be captured behind the calls (``VGraphConfig.captures``):
+    the compiled code at their exact sizes, or on the bucket's buffers without a graph."""
     eager_fallbacks: int = 0
     """Calls that fit no bucket and ran the traced graph eagerly."""
     exact_size_calls: int = 0

@@ -32,10 +32,10 @@ def models():
 
 @pytest.fixture(scope="module")
 def compiled(models):
-    """Warmed up: one trace, one inductor compile (the 4 identical blocks as calls of one subgraph), one captured
-    graph per budget."""
+    """Warmed up at the first call (``captures="first_call"``): one trace, one inductor compile (the 4 identical
+    blocks as calls of one subgraph), one captured graph per budget, then the call replayed."""
     compiled = vgraph_compile.encoder(
-        models[1], token_budgets=BUDGETS, max_segments=8, call_choice="smallest_bucket"
+        models[1], token_budgets=BUDGETS, max_segments=8, call_choice="smallest_bucket", captures="first_call"
     )
     with (
         torch.inference_mode(),
@@ -148,3 +148,38 @@ def test_results_are_not_overwritten_by_later_replays(models, compiled):
         assert _relative(out_first, bf16(*first)) < 1e-2
         assert _relative(out_second, bf16(*second)) < 1e-2
         assert not torch.equal(out_first, out_second)
+
+
+def test_calls_are_served_while_the_graphs_are_captured_behind(models):
+    """The default ``captures="behind"``: the first call is served before its bucket's graph exists, the calls that
+    follow run between the captures (the compiled code at their sizes, or a replay once captured), each equal to
+    eager bf16 on the fp32 reference's terms; ``warmup()`` returns with every bucket captured, and later calls
+    replay."""
+    fp32, bf16 = models
+    torch.manual_seed(0)
+    model = PackedViT(patch_dim=588, dim=256, depth=4, heads=4, out_dim=512, merge=4).cuda().eval()
+    model.load_state_dict(fp32.state_dict())
+    compiled = vgraph_compile.encoder(
+        model.to(torch.bfloat16), token_budgets=(256, 512, 1024, 2048), max_segments=8,
+        call_choice="smallest_bucket",
+    )  # fmt: skip
+    rng = random.Random(3)
+
+    def check(lengths):
+        inputs = pack_images(lengths, 588, device="cuda", dtype=torch.bfloat16)
+        out = compiled(*inputs)
+        assert not out.isnan().any()
+        assert _relative(out, bf16(*inputs)) < 1e-2
+
+    with torch.inference_mode():
+        before = counters.snapshot()
+        for lengths in [[64], *(_request(rng) for _ in range(30))]:
+            check(lengths)
+        runtime = compiled.vgraph.runtimes[0]
+        assert counters.served_before_capture > before["served_before_capture"]
+        runtime.warmup()
+        assert runtime.encoder.captured and all(bucket.graph is not None for bucket in runtime.buckets)
+        assert counters.graphs_captured - before["graphs_captured"] == 4
+        with counters.expect(replays=10):
+            for _ in range(10):
+                check(_request(rng))

@@ -449,8 +449,8 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     every later one go to the next larger bucket."""
     from vgraph_compile.compile import buckets as bucket_graphs
 
-    def capture_dropping_the_smallest(buckets, compiled, pool, prepare):
-        return sorted(buckets, key=lambda bucket: bucket.shape.budget)[1:]
+    def capture_dropping_the_smallest(bucket, compiled, pool, prepare, error_mode):
+        return bucket.shape.budget != BUDGETS[0]
 
     monkeypatch.setattr(bucket_graphs, "capture", capture_dropping_the_smallest)
     monkeypatch.setattr(bucket_graphs, "pool_bytes", lambda pool: 0)
@@ -459,8 +459,9 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     no_bucket_timed = PaddingCosts(budgets=(), empty_ms=(), full_ms=(), exact_host_ms=1.0)
     monkeypatch.setattr("vgraph_compile.serve.runtime.measure_padding_costs", lambda *args: no_bucket_timed)
     compiled = vgraph_compile.encoder(
-        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket"
-    )
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket",
+        captures="first_call",
+    )  # fmt: skip
     with monkeypatch.context() as patch:
         patch.setattr("vgraph_compile.pipeline.cudagraphs_wanted", lambda ctx: True)
         inputs = pack_images([3, 4], 12)  # fits the 16 bucket, which the capture drops
@@ -469,6 +470,60 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
             compiled(*inputs)
     runtime = compiled.vgraph.runtimes[0]
     assert [(bucket.shape.budget, bucket.stats.hits) for bucket in runtime.buckets] == [(64, 2), (128, 0)]
+
+
+def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch):
+    """``captures="behind"``: the first call starts a thread that captures the buckets largest first, one at a time
+    holding the runtime's lock (each capture here takes 50 ms and records a CPU replay of the compiled code into
+    static outputs); the call is served meanwhile, by the compiled code, equal to eager; ``warmup()`` finishes what
+    is left and returns with the buckets final; every bucket is captured once, and later calls replay."""
+    import threading
+    import time
+
+    from vgraph_compile.compile import buckets as bucket_graphs
+
+    captured = []
+
+    class Recorded:
+        """A graph's replay on the CPU: the compiled code on the bucket's buffers, into its static outputs."""
+
+        def __init__(self, bucket, compiled):
+            self.bucket, self.compiled = bucket, compiled
+
+        def replay(self):
+            for static, fresh in zip(self.bucket.outputs, self.compiled(list(self.bucket.inputs))):
+                static.copy_(fresh)
+
+    def recording_capture(bucket, compiled, pool, prepare, error_mode):
+        captured.append((bucket.shape.budget, threading.current_thread().name, error_mode))
+        time.sleep(0.05)
+        prepare(bucket)
+        bucket.graph, bucket.outputs = Recorded(bucket, compiled), compiled(list(bucket.inputs))
+        return True
+
+    monkeypatch.setattr(bucket_graphs, "capture", recording_capture)
+    monkeypatch.setattr(bucket_graphs, "pool_bytes", lambda pool: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
+    monkeypatch.setattr("vgraph_compile.serve.runtime.VGraphRuntime._measure_padding", lambda self: None)
+    compiled = vgraph_compile.encoder(
+        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket"
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr("vgraph_compile.pipeline.cudagraphs_wanted", lambda ctx: True)
+        inputs = pack_images([3, 4], 12)
+        served_before = counters.served_before_capture
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+        assert counters.served_before_capture == served_before + 1
+        runtime = compiled.vgraph.runtimes[0]
+        assert runtime.warmup() in (True, False)  # False: the thread finished first
+        assert runtime.encoder.captured
+        with torch.no_grad(), counters.expect(replays=1):
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    runtime.stop_captures()
+    assert sorted(budget for budget, _, _ in captured) == list(BUDGETS)
+    first_budget, first_thread, first_mode = captured[0]
+    assert (first_budget, first_mode) == (BUDGETS[-1], "thread_local") and first_thread.endswith("captures")
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])

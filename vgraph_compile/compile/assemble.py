@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 from torch.utils.weak import WeakIdKeyDictionary
+from tqdm.auto import tqdm
 
 from vgraph_compile.kernels import registry
 from vgraph_compile.compile import buckets as bucket_graphs
@@ -111,12 +112,14 @@ class CompiledEncoder:
     pool_bytes: int = 0
     """Device memory the graphs' shared pool holds after every capture."""
     captured: bool = False
-    """Whether ``warmup`` ran (the buckets list is final)."""
+    """Whether ``warmup`` ran (the buckets list is final); buckets may hold graphs before (``capture_one``)."""
     dropped: list[DroppedBucket] = field(default_factory=list)
     """Every budget given up: the build's (``BuildRecord.dropped``), then those a capture dropped."""
     strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     """(module parameter, its aligned tensor) of each parameter padded past its first dim and still held twice."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _pool: tuple[int, int] | None = field(default=None, repr=False)
+    """The graphs' shared memory pool, made at the first capture."""
 
     def __post_init__(self) -> None:
         self.eager, self.kernels, self.folded = self.record.eager, self.record.kernels, self.record.folded
@@ -126,28 +129,21 @@ class CompiledEncoder:
     def warmup(
         self, prepare: Callable[[Bucket], None], agree: Callable[[set[int]], set[int]] | None = None
     ) -> None:
-        """Capture every bucket's CUDA graph (largest first, one pool), each after ``prepare(bucket)`` filled its
-        buffers as for a call with no tokens; idempotent and thread-safe. Once done it costs one attribute read, so
-        every call may ask for it. ``agree`` (over a group of processes whose graphs hold collectives) maps the
-        budgets captured here to those to keep, before ``captured`` is set: no call is served from a bucket
-        before it ran."""
+        """Capture every bucket's CUDA graph not captured yet (largest first, one pool), each after
+        ``prepare(bucket)`` filled its buffers as for a call with no tokens, then mark the buckets list final;
+        idempotent and thread-safe. Once done it costs one attribute read, so every call may ask for it. ``agree``
+        (over a group of processes whose graphs hold collectives) maps the budgets captured here to those to keep,
+        before ``captured`` is set: no call is served from a bucket before it ran."""
         if self.captured:
             return
         with self._lock:
             if self.captured:
                 return
             if self.cudagraphs:
-                pool = torch.cuda.graph_pool_handle()
-                with torch.inference_mode(False), startup_phases.phase("captures"):
-                    captured = bucket_graphs.capture(self.buckets, self.compiled, pool, prepare)
-                kept = {bucket.shape.budget for bucket in captured}
-                self.dropped += [
-                    DroppedBucket(bucket.shape.budget, "out of GPU memory while capturing its graph")
-                    for bucket in self.buckets
-                    if bucket.shape.budget not in kept
-                ]
-                self.buckets = captured
-                self.pool_bytes = bucket_graphs.pool_bytes(pool)
+                waiting = [bucket for bucket in self.largest_first() if bucket.graph is None]
+                for bucket in tqdm(waiting, desc="vgraph: capturing", unit="graph", leave=False):
+                    self._capture(bucket, prepare, "global")
+                self.pool_bytes = bucket_graphs.pool_bytes(self._pool) if self._pool is not None else 0
             if agree is not None:
                 kept = agree({bucket.shape.budget for bucket in self.buckets})
                 self.dropped += [
@@ -157,6 +153,28 @@ class CompiledEncoder:
                 ]
                 self.keep_buckets(kept)
             self.captured = True
+
+    def largest_first(self) -> list[Bucket]:
+        """The buckets in capture order."""
+        return sorted(self.buckets, key=lambda bucket: -bucket.shape.budget)
+
+    def capture_one(self, bucket: Bucket, prepare: Callable[[Bucket], None]) -> None:
+        """Capture ``bucket``'s graph now, while other threads keep working on the device (CUDA's thread-local
+        capture mode), unless it is captured, dropped or the buckets are final."""
+        with self._lock:
+            if not self.captured and bucket.graph is None and bucket in self.buckets:
+                self._capture(bucket, prepare, "thread_local")
+
+    def _capture(self, bucket: Bucket, prepare: Callable[[Bucket], None], error_mode: str) -> None:
+        """One capture into the encoder's pool (holding ``_lock``); a bucket the device has no memory for is
+        dropped."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(False), startup_phases.phase("captures"):
+            kept = bucket_graphs.capture(bucket, self.compiled, self._pool, prepare, error_mode)
+        if not kept:
+            self.dropped.append(DroppedBucket(bucket.shape.budget, "out of GPU memory while capturing its graph"))
+            self.buckets = [other for other in self.buckets if other is not bucket]
 
     def keep_buckets(self, budgets: set[int]) -> None:
         """Keep only the buckets of ``budgets``; every other one's captured graph is reset (its memory and any

@@ -1,7 +1,7 @@
 """Per bucket: persistent input buffers and, on CUDA, one captured graph of the compiled code.
 
-Lifecycle (``capture``): buckets are captured largest first into one memory pool, so every later capture reuses
-the memory of the first. For each: fill its buffers as for a call with no tokens, run the compiled code once
+Lifecycle (``capture``, one bucket; ``CompiledEncoder`` orders them, largest first, into one memory pool, so later
+captures reuse the memory of the first): fill its buffers as for a call with no tokens, run the compiled code once
 on a side stream (warm-up: lazy kernel loading, allocator state), then record one ``torch.cuda.CUDAGraph`` and
 upload it to the device (so the first call served by it does not pay the upload). Its
 outputs are static tensors in the pool that each replay overwrites; the runtime copies out what it returns. A
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from vgraph_compile.compile.inductor import CompiledFn
 from vgraph_compile.counters import counters
@@ -194,33 +193,35 @@ def upload(graph: "torch.cuda.CUDAGraph") -> bool:
 
 
 def capture(
-    buckets: list[Bucket], compiled: CompiledFn, pool: tuple[int, int], prepare: Callable[[Bucket], None]
-) -> list[Bucket]:
-    """Record one CUDA graph per bucket, largest first, into ``pool``, each after ``prepare(bucket)`` filled its
-    buffers as for a call with no tokens; returns the buckets captured."""
+    bucket: Bucket,
+    compiled: CompiledFn,
+    pool: tuple[int, int],
+    prepare: Callable[[Bucket], None],
+    error_mode: str = "global",
+) -> bool:
+    """Record ``bucket``'s CUDA graph into ``pool`` after ``prepare(bucket)`` filled its buffers as for a call with
+    no tokens and one warm-up run on a side stream; False (nothing kept) where the device ran out of memory.
+    ``error_mode``: CUDA's capture mode, ``"thread_local"`` where other threads keep working on the device during
+    the capture (captures behind served calls)."""
     side = torch.cuda.Stream()
-    captured = []
-    largest_first = sorted(buckets, key=lambda bucket: -bucket.shape.budget)
-    for bucket in tqdm(largest_first, desc="vgraph: capturing", unit="graph", leave=False):
-        prepare(bucket)
-        try:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                compiled(list(bucket.inputs))
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                outputs = compiled(list(bucket.inputs))
-        except torch.OutOfMemoryError:
-            log.warning(
-                "budget %d dropped: out of GPU memory while capturing its graph; calls it would serve use the "
-                "next larger bucket or run eagerly",
-                bucket.shape.budget,
-            )
-            counters.buckets_dropped += 1
-            continue
-        counters.graphs_uploaded += upload(graph)
-        bucket.graph, bucket.outputs = graph, outputs
-        counters.graphs_captured += 1
-        captured.append(bucket)
-    return sorted(captured, key=lambda bucket: bucket.shape.budget)
+    prepare(bucket)
+    try:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            compiled(list(bucket.inputs))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode), torch.no_grad():
+            outputs = compiled(list(bucket.inputs))
+    except torch.OutOfMemoryError:
+        log.warning(
+            "budget %d dropped: out of GPU memory while capturing its graph; calls it would serve use the next "
+            "larger bucket or run eagerly",
+            bucket.shape.budget,
+        )
+        counters.buckets_dropped += 1
+        return False
+    counters.graphs_uploaded += upload(graph)
+    bucket.graph, bucket.outputs = graph, outputs
+    counters.graphs_captured += 1
+    return True

@@ -76,8 +76,8 @@ def _synthetic_request() -> list[dict]:
 
 def warm_up(model: torch.nn.Module, processor) -> None:
     """Capture every bucket of the model's vgraph tower (a packed tower's ``warmup``), then generate one token for a
-    synthetic image through ``processor``, as a request would (a fixed-tile tower traces and captures here), under
-    ``no_grad`` as transformers' ``generate`` runs."""
+    synthetic image through ``processor``, as a request would (a fixed-tile tower traces here), under ``no_grad``
+    as transformers' ``generate`` runs; returns once every graph is captured (``capture_all``)."""
     from tqdm.auto import tqdm
 
     owner, attribute = find_vision_tower(model)
@@ -91,6 +91,8 @@ def warm_up(model: torch.nn.Module, processor) -> None:
             return_tensors="pt",
         ).to(model.device)  # fmt: skip
         model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        if hasattr(tower, "capture_all"):
+            tower.capture_all()
         bar.update()
 
 

@@ -58,6 +58,12 @@ class TowerStandIn(torch.nn.Module):
         """The vgraph runtimes behind this tower; once it was handed down, those of the module serving it."""
         return self.replacement.runtimes if self.replacement is not None else self._runtimes()
 
+    def capture_all(self) -> None:
+        """Return once every graph of this tower's runtimes is captured (by default they are captured behind the
+        first calls: ``VGraphConfig.captures``), capturing what is left now."""
+        for runtime in self.runtimes:
+            runtime.warmup()
+
     def stats_table(self) -> str:
         """The tier and its runtimes' buckets; once the tower was handed down, the serving module's."""
         return self.replacement.stats_table() if self.replacement is not None else self._stats_table()

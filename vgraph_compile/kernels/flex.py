@@ -74,12 +74,23 @@ def _attend(q, k, v, cu_seqlens, scale, kernel):
     return out[0].transpose(0, 1)
 
 
+RECOMPILE_LIMIT = 64
+"""Compiles of ``flex_attention`` a process may hold (dynamo's default is 8): one per head dim, dtype, scale and
+dispatch state (``opcheck``'s modes among them), each dynamic in the rows; under ``fullgraph=True`` one past the
+limit is an error, not a fallback (on an H200, ``opcheck`` after the kernel tests' head dims and dtypes hit 8)."""
+
+
 @functools.cache
 def _compiled_flex_attention():
-    """One compile for every row count (``dynamic=True``): dynamo's recompile limit (8) counts every shape a process
-    gives ``flex_attention``, and under ``fullgraph=True`` a ninth is an error, not a fallback (on an H200,
-    ``opcheck`` after the kernel tests' head dims and dtypes hit it)."""
+    """``flex_attention`` compiled once per specialization, dynamic in the rows (``dynamic=True``)."""
     return torch.compile(flex_attention, fullgraph=True, dynamic=True)
+
+
+def _compiled_attend(q, k, v, cu_seqlens, scale):
+    """``_attend`` through the compiled kernel, under a recompile limit of at least ``RECOMPILE_LIMIT``."""
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        return _attend(q, k, v, cu_seqlens, scale, _compiled_flex_attention())
 
 
 def unconfined(
@@ -88,7 +99,7 @@ def unconfined(
     """The masked kernel alone: a NaN/Inf in k or v reaches other segments."""
     with _functorch_enabled():
         if q.device.type != "cpu":
-            return _attend(q, k, v, cu_seqlens, scale, _compiled_flex_attention())
+            return _compiled_attend(q, k, v, cu_seqlens, scale)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
             return _attend(q, k, v, cu_seqlens, scale, flex_attention)

@@ -36,6 +36,7 @@ event. The returned tensors are fresh and safe to read on the caller's stream.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import functools
@@ -43,6 +44,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -73,6 +75,15 @@ __all__ = ["VGraphRuntime"]
 log = logging.getLogger(__name__)
 
 _SERIALS = itertools.count(1)
+
+_CAPTURING: "weakref.WeakSet[VGraphRuntime]" = weakref.WeakSet()
+"""Runtimes whose captures thread was started: stopped at exit, so no capture is cut off by the interpreter's end."""
+
+
+@atexit.register
+def _stop_every_capture() -> None:
+    for runtime in list(_CAPTURING):
+        runtime.stop_captures()
 
 
 @dataclass
@@ -222,19 +233,79 @@ class VGraphRuntime:
         self.first_outputs: list[Any] | None = None
         """With ``keep_first_outputs``: the outputs of the first call served (the decorator maps them to what the
         encoder returns, then drops them); no other call's outputs are kept."""
+        self._behind: threading.Thread | None = None
+        """The thread capturing the buckets behind the calls (``_start_captures``), once started."""
+        self._behind_lock = threading.Lock()
+        self._stop_captures = threading.Event()
 
     @property
     def buckets(self) -> list[Bucket]:
         return self.encoder.buckets
 
     def warmup(self) -> bool:
-        """Capture every bucket's graph now (the first valid call does it otherwise). True when this call captured."""
+        """Capture every bucket's graph not captured yet, now, holding the lock (calls on other threads wait), and
+        measure what the per-call choices read; returns once every graph is captured. The first valid call does
+        it otherwise, or starts the captures behind it (``VGraphConfig.captures``). True when this call finished
+        the captures."""
         if self.encoder.captured:
             return False
-        self.encoder.warmup(lambda bucket: fills.empty_bucket(bucket, self.encoder.roles), self.agree_buckets)
+        with self._lock:
+            if self.encoder.captured:
+                return False
+            self._on_call_stream()
+            self.encoder.warmup(self._prepare_capture, self.agree_buckets)
         self._measure_padding()
         self._measure_costs()
         return True
+
+    def _prepare_capture(self, bucket: Bucket) -> None:
+        fills.empty_bucket(bucket, self.encoder.roles)
+
+    def _start_captures(self) -> None:
+        """At a call before every graph is captured: capture them all now (``warmup``), or, with captures
+        ``behind``, start the thread that captures them behind the calls (once). Never behind over a process
+        group whose graphs hold collectives (``agree_buckets``) or under sequence parallelism: every rank must
+        capture the same graphs at the same call."""
+        if self.encoder.captured or self._behind is not None:
+            return
+        behind = (
+            self.config.captures == "behind"
+            and self.encoder.cudagraphs
+            and self.agree_buckets is None
+            and self.config.sequence_parallel is None
+        )
+        if not behind:
+            self.warmup()
+            return
+        with self._behind_lock:
+            if self._behind is None and not self.encoder.captured:
+                self._behind = threading.Thread(target=self._capture_behind, name=f"{self.name}: captures", daemon=True)
+                _CAPTURING.add(self)
+                self._behind.start()
+
+    def _capture_behind(self) -> None:
+        """The captures thread: each bucket, largest first, captured holding the lock (calls wait for one
+        capture at most, and run between them), then ``warmup`` (nothing left to capture: the buckets are final,
+        the padding costs loaded or timed). A failure is logged; calls keep running without graphs until a
+        ``warmup()`` captures again."""
+        try:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                for bucket in self.encoder.largest_first():
+                    if self._stop_captures.is_set():
+                        return
+                    with self._lock:
+                        self._on_call_stream()
+                        self.encoder.capture_one(bucket, self._prepare_capture)
+                self.warmup()
+        except Exception:
+            log.exception("%s: capturing behind the calls failed; calls run without graphs until warmup()", self.name)
+
+    def stop_captures(self) -> None:
+        """Stop the captures thread after its current capture and wait for it (at exit, and before ``release``)."""
+        self._stop_captures.set()
+        thread = self._behind
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def _measure_padding(self) -> None:
         """The padding costs (``call_costs.PaddingCosts``), once the graphs are captured on CUDA: what a call's
@@ -303,6 +374,7 @@ class VGraphRuntime:
 
     def release(self) -> None:
         """Reset every captured graph (``CompiledEncoder.release``); later calls run eagerly."""
+        self.stop_captures()
         with self._lock:
             self.encoder.release()
             self._forget_buckets()
@@ -648,15 +720,16 @@ class VGraphRuntime:
         if changed:
             names = ", ".join(self.spec.describe_input(index) for index in changed)
             return self._miss(f"{names} differ from the values the graphs were built with", args)
-        self.warmup()
+        self._start_captures()
         bucket = self._choose(plan)
         if bucket is None:
             return self._no_bucket(args, plan.sizes)
         self._measure_padding()
         self._measure_costs()
         with torch.no_grad() if grad else contextlib.nullcontext():
-            reason = self._exact_first(bucket, plan) if self.call_choice in ("smallest_bucket", "measured") else None
-            if reason is not None:
+            if bucket.graph is None and not self.encoder.captured:
+                results = self._serve_uncaptured(bucket, args, plan)
+            elif self.call_choice in ("smallest_bucket", "measured") and (reason := self._exact_first(bucket, plan)):
                 self.choices[EXACT] += 1
                 results = self._run_exact(bucket, args, plan, reason)
             elif self.call_choice == "smallest_bucket" or (self.call_choice == "measured" and self.costs is None):
@@ -675,6 +748,18 @@ class VGraphRuntime:
                     results = self._splitter.join(*(self._replay(b, half, p) for half, p, b in split.halves))
         self._remember_first(results)
         return results
+
+    def _serve_uncaptured(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan) -> list[Any]:
+        """A call whose bucket's graph is still to be captured behind the calls: the compiled code at the call's
+        exact sizes, or on the bucket's buffers (padded, no graph) where a size guard fails at them. No key is
+        staged: a key's replays are recorded once its bucket replays."""
+        counters.served_before_capture += 1
+        if self._exact_allowed(bucket, plan):
+            return self._run_exact(bucket, args, plan)
+        with self._lock:
+            self._on_call_stream()
+            self._fill(bucket, args, plan, None)
+            return self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
 
     def _replay(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable = None) -> list[Any]:
         """Serve one call by ``bucket``: fill (by the staged bytes of ``key``, when given), replay, narrow and copy

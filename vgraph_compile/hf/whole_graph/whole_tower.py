@@ -249,9 +249,9 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
 
     # -- per call ----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Trace, compile once and capture every bucket with a synthetic image, before serving any call; once the
-        trace is refused, the module serving the tower instead (``trace_refused``'s block graphs) records and
-        compiles on that image.
+        """Trace, compile once and capture every bucket with a synthetic image, before serving any call (and return
+        once every graph is captured: ``capture_all``); once the trace is refused, the module serving the tower
+        instead (``trace_refused``'s block graphs) records and compiles on that image.
 
         The image is one window tall (one merge unit without windows) and as many wide as the smallest budget
         holds, at least two: both attention groups (frames and windows) have segments in the trace, and a size
@@ -268,6 +268,7 @@ class CompiledVisionTower(ParallelTower, TowerStandIn):
                 arguments = {self.pixel_argument: pixel_values, self.interface.grid_argument: torch.tensor(grid)}
                 with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
                     self.replacement(**arguments)
+        self.capture_all()
 
     def _synthetic_image(self) -> tuple[torch.Tensor, Grid]:
         """The warm-up's image (``warmup``): its pixel rows on the tower's device and dtype, and its grid."""
