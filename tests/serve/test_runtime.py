@@ -475,7 +475,7 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
 def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch):
     """``captures="behind"``: the first call starts a thread that captures the buckets largest first, one at a time
     holding the runtime's lock (each capture here takes 50 ms and records a CPU replay of the compiled code into
-    static outputs); the call is served meanwhile, by the compiled code, equal to eager; ``warmup()`` finishes what
+    static outputs); the call is served meanwhile, before the last capture, by the compiled code, equal to eager; ``warmup()`` finishes what
     is left and returns with the buckets final; every bucket is captured once, and later calls replay."""
     import threading
     import time
@@ -495,7 +495,7 @@ def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch)
                 static.copy_(fresh)
 
     def recording_capture(bucket, compiled, pool, prepare, error_mode):
-        captured.append((bucket.shape.budget, threading.current_thread().name, error_mode))
+        captured.append((bucket.shape.budget, threading.current_thread().name, error_mode, counters.served_before_capture))
         time.sleep(0.05)
         prepare(bucket)
         bucket.graph, bucket.outputs = Recorded(bucket, compiled), compiled(list(bucket.inputs))
@@ -521,9 +521,10 @@ def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch)
         with torch.no_grad(), counters.expect(replays=1):
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
     runtime.stop_captures()
-    assert sorted(budget for budget, _, _ in captured) == list(BUDGETS)
-    first_budget, first_thread, first_mode = captured[0]
+    assert sorted(budget for budget, *_ in captured) == list(BUDGETS)
+    first_budget, first_thread, first_mode, _ = captured[0]
     assert (first_budget, first_mode) == (BUDGETS[-1], "thread_local") and first_thread.endswith("captures")
+    assert captured[-1][3] == served_before + 1, "the call waited for every capture, not one"
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])

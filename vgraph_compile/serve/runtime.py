@@ -107,6 +107,11 @@ class _OneSegment:
 
     work_ms: float | None
 
+CAPTURE_GAP_S = 0.002
+"""The captures thread's pause between two captures, with the lock released: a call waiting for the lock takes it
+then (a lock released and taken again by the same running thread is seldom handed to a waiting one: on an H200 the
+first call of a warm start waited for all 29 captures)."""
+
 PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
 EXACT, STOCK = "compiled code at the exact size", "stock module"
 CHOICES = (PADDED, SPLIT, EXACT, STOCK)
@@ -285,7 +290,7 @@ class VGraphRuntime:
 
     def _capture_behind(self) -> None:
         """The captures thread: each bucket, largest first, captured holding the lock (calls wait for one
-        capture at most, and run between them), then ``warmup`` (nothing left to capture: the buckets are final,
+        capture at most, and run in the pause between two: ``CAPTURE_GAP_S``), then ``warmup`` (nothing left to capture: the buckets are final,
         the padding costs loaded or timed). A failure is logged; calls keep running without graphs until a
         ``warmup()`` captures again."""
         try:
@@ -296,6 +301,7 @@ class VGraphRuntime:
                     with self._lock:
                         self._on_call_stream()
                         self.encoder.capture_one(bucket, self._prepare_capture)
+                    time.sleep(CAPTURE_GAP_S)
                 self.warmup()
         except Exception:
             log.exception("%s: capturing behind the calls failed; calls run without graphs until warmup()", self.name)
