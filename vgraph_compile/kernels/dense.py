@@ -65,6 +65,22 @@ def separation_columns(cu_seqlens: torch.Tensor, rows: int, dtype: torch.dtype) 
     return q, k
 
 
+def _widened(t: torch.Tensor, width: int, columns: torch.Tensor | None) -> torch.Tensor:
+    """``t`` (``[rows, heads, head_dim]``, any strides) in a new ``[rows, heads, width]`` tensor: its columns, then
+    ``columns`` (``[rows, c]``, the same for every head) where given, then zeros. Each entry is written once (one
+    copy of ``t``; ``F.pad`` would fill the whole tensor first, then copy ``t`` over it)."""
+    rows, heads, head_dim = t.shape
+    out = t.new_empty(rows, heads, width)
+    out[..., :head_dim] = t
+    end = head_dim
+    if columns is not None:
+        end += columns.shape[1]
+        out[..., head_dim:end] = columns[:, None, :]
+    if end < width:
+        out[..., end:] = 0
+    return out
+
+
 @functools.cache
 def settle_sdpa_order(device_type: str) -> None:
     """Make torch settle its default SDPA backend order (module docstring) with one tiny SDPA call on a device of
@@ -85,10 +101,7 @@ def _dense(backend: SDPBackend):
                 f"dense attention needs head_dim {head_dim} plus {q_columns.shape[1]} separation columns "
                 f"(<= {MAX_WIDTH}): too many segments ({cu_seqlens.shape[0] - 1}) for one dense call"
             )
-        q, k, v = (F.pad(t, (0, width - head_dim)) for t in (q, k, v))
-        columns = slice(head_dim, head_dim + q_columns.shape[1])
-        q[..., columns] = q_columns[:, None, :]
-        k[..., columns] = k_columns[:, None, :]
+        q, k, v = (_widened(t, width, columns) for t, columns in ((q, q_columns), (k, k_columns), (v, None)))
         scale = head_dim**-0.5 if scale is None else scale
         with sdpa_kernel([backend, *_FALLBACKS], set_priority=True):
             out = F.scaled_dot_product_attention(
