@@ -126,10 +126,11 @@ def test_a_bucket_whose_kernels_all_fail_leaves_the_group_unchosen(caplog):
         assert group_kernels(by_rows, ["torch_varlen", "cudnn"], 4, broken, {}, _key) is None
 
 
-def test_buckets_between_two_agreeing_neighbours_take_their_kernels_untimed():
-    """Seven buckets of several slots: every other one and the largest are timed; a bucket between two that chose
-    the same kernel takes it untimed, and one between two that differ (the crossing, here at 3000 rows) is timed and
-    gets its own fastest. The choice equals timing every bucket."""
+def test_buckets_inside_a_short_agreeing_stretch_take_their_kernels_untimed():
+    """Seven buckets of several slots, bisected: the smallest and the largest are timed, then the middle of each
+    stretch that spans more than ``AGREEING_SPAN`` or whose ends differ (the crossing, here at 3000 rows); a bucket
+    inside a stretch of at most 4x whose ends agree takes their kernel untimed. The choice equals timing every
+    bucket."""
     timed = []
 
     def time_ms(name, shape):
@@ -143,4 +144,22 @@ def test_buckets_between_two_agreeing_neighbours_take_their_kernels_untimed():
     assert chosen == (
         "256:torch_varlen;512:torch_varlen;1024:torch_varlen;2048:torch_varlen;4096:cudnn;8192:cudnn;16384:cudnn"
     )
-    assert sorted({r for _, r in timed}) == [256, 1024, 2048, 4096, 16384]  # 512 and 8192 between agreeing ones
+    assert sorted({r for _, r in timed}) == [256, 512, 2048, 4096, 16384]  # 1024 and 8192 inside agreeing stretches
+
+
+def test_the_default_budgets_with_one_choice_throughout_time_six_buckets():
+    """The 29 default budgets (256 to 16384 patches), one kernel fastest everywhere: six buckets are timed (the two
+    ends, then the middles of the stretches wider than ``AGREEING_SPAN``), and every bucket gets that kernel."""
+    from vgraph_compile.config import VGraphConfig
+
+    budgets = VGraphConfig(min_tokens=256, max_tokens=16384).budgets
+    timed = set()
+
+    def time_ms(name, shape):
+        timed.add(shape.rows)
+        return {"torch_varlen": 2.0, "cudnn": 1.0}[name] * shape.rows
+
+    by_rows = {r: _shape(r, 64, 8) for r in budgets}
+    assert len(budgets) == 29
+    assert group_kernels(by_rows, ["torch_varlen", "cudnn"], 28, time_ms, {}, _key) == "cudnn"
+    assert len(timed) == 6 and {budgets[0], budgets[-1]} <= timed

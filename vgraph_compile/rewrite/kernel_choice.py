@@ -189,6 +189,11 @@ def _one_segment_kernel(
     return fastest if (timings[kernel] - timings[fastest]) * sites >= EXACT_WORTH_MS else kernel
 
 
+AGREEING_SPAN = 4.0
+"""The widest stretch of buckets (its largest over its smallest, in rows) whose inner buckets take the kernels
+both its ends chose without being timed (``group_kernels``)."""
+
+
 def group_kernels(
     by_rows: dict[int, GroupShape], names: list[str], sites: int, time_ms: TimeMs, cache: dict, key: ShapeKey
 ) -> str | None:
@@ -199,11 +204,14 @@ def group_kernels(
     (a ``whole_rows`` kernel too where the bucket holds one segment slot). Where a segment can fill the bucket (full
     attention), a call of one segment of the bucket's rows gets its own entry (``_one_segment_kernel``).
 
-    Timed once per stretch of agreeing buckets: every other bucket (by rows) and the largest are timed first; a
-    bucket between two timed ones of its kind (one slot or several, a one-segment entry or not) takes their kernels
-    where both chose the same, and is timed itself only where they differ (a kernel's time follows the rows
-    smoothly: the fastest does not change between two neighbours that agree). On an H200 the 29 default budgets of
-    a Qwen tower took 10-11 s of kernel timing at a cold start when each was timed."""
+    Timed once per stretch of agreeing buckets, by bisection: the smallest and the largest bucket are timed; a
+    stretch whose two ends are of one kind (one slot or several, a one-segment entry or not) with every bucket
+    between, chose the same kernels, and span at most ``AGREEING_SPAN`` in rows gives its inner buckets their
+    kernels untimed; any other stretch is cut at its middle bucket, which is timed (a kernel's time follows the
+    rows smoothly: the fastest does not change inside a short stretch whose ends agree). On an H200 the 29 default
+    budgets of a Qwen tower took 10-11 s of kernel timing at a cold start when each was timed, and 60 s for
+    Qwen2.5-VL's two groups in the GPU install with every other one timed (each new shape compiles FlashAttention-4
+    and builds cuDNN plans); with one kind and one choice throughout, six of the 29 are timed."""
     ordered = sorted(by_rows)
     many: dict[int, str] = {}
     one: dict[int, str] = {}
@@ -226,18 +234,27 @@ def group_kernels(
             one[rows] = _one_segment_kernel(shape, kernel, names, sites, time_ms, cache, key)
         return True
 
-    timed_first = set(ordered[::2]) | {ordered[-1]}
-    if not all(choose(rows) for rows in ordered if rows in timed_first):
-        return None
-    for index, rows in enumerate(ordered):
-        if rows in timed_first:
-            continue
-        below, above = ordered[index - 1], ordered[index + 1]
-        agree = kind(below) == kind(rows) == kind(above) and many[below] == many[above] and one[below] == one[above]
+    def settle(low: int, high: int) -> bool:
+        """Kernels for the buckets strictly between ``ordered[low]`` and ``ordered[high]`` (both chosen)."""
+        if high - low < 2:
+            return True
+        first, last, inner = ordered[low], ordered[high], ordered[low + 1 : high]
+        agree = (
+            last <= AGREEING_SPAN * first
+            and all(kind(rows) == kind(first) for rows in (*inner, last))
+            and (many[first], one[first]) == (many[last], one[last])
+        )
         if agree:
-            many[rows], one[rows] = many[below], one[below]
-        elif not choose(rows):
-            return None
+            for rows in inner:
+                many[rows], one[rows] = many[first], one[first]
+            return True
+        middle = (low + high) // 2
+        return choose(ordered[middle]) and settle(low, middle) and settle(middle, high)
+
+    if not (choose(ordered[0]) and (len(ordered) == 1 or choose(ordered[-1]))):
+        return None
+    if not settle(0, len(ordered) - 1):
+        return None
     return registry.by_rows(many, one)
 
 
