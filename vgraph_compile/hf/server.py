@@ -5,8 +5,10 @@ The hook is transformers' public ``ModelManager`` (``transformers.cli.serving``)
 its ``load_model_and_processor``, which ``manager_class`` extends. When a model is loaded (at start-up for the
 model the command names), its vision tower is replaced by vgraph's and warmed up before the model is handed to any
 request: every bucket captured (or loaded from the plans ``vgraph precompile`` saved), then one generated token for a
-synthetic image through the server's own processor, so the first request meets no trace, compile or capture. A model
-vgraph cannot serve (no vision tower, a tower it refuses, a warm-up failure) is served stock, with one warning.
+synthetic image through the server's own processor, so the first request meets no trace, compile or capture. The
+processor's images are resized and normalized on the model's GPU where its image processor has transformers'
+torchvision backend (``images_on_device``). A model vgraph cannot serve (no vision tower, a tower it refuses, a
+warm-up failure) is served stock, its processor as it was, with one warning.
 
 ``Serve`` (the ``transformers serve`` command) builds its ``ModelManager`` itself; ``serve`` runs it with the
 extended class bound in that name while it builds, and parses the command line with Serve's own options.
@@ -104,18 +106,41 @@ def _serve_stock(model: torch.nn.Module) -> None:
         setattr(owner, attribute, getattr(tower, "tower", tower))
 
 
+def images_on_device(processor, device: torch.device) -> bool:
+    """Make ``processor``'s image processor resize and normalize the images on ``device``, a CUDA device: the
+    torchvision backend of transformers' image processors takes a ``device`` (``ImagesKwargs``) whose default is the
+    image processor's attribute of that name, and returns its pixels there (the PIL backend works on the host and
+    is left as it is). True where it was set."""
+    try:
+        from transformers.image_processing_backends import TorchvisionBackend
+    except ImportError:  # a transformers without the torchvision backend
+        return False
+    image_processor = getattr(processor, "image_processor", None)
+    if device.type != "cuda" or not isinstance(image_processor, TorchvisionBackend):
+        return False
+    image_processor.device = device
+    return True
+
+
 def serve_model(model: torch.nn.Module, processor, options: dict[str, Any]) -> bool:
-    """Serve ``model``'s vision tower with ``compile_vlm(model, **options)`` and warm it up; True when served.
-    Whatever fails leaves the model stock, with one warning giving the reason."""
+    """Serve ``model``'s vision tower with ``compile_vlm(model, **options)``, its images processed on the model's
+    GPU (``images_on_device``), and warm both up; True when served. Whatever fails leaves the model and its
+    processor stock, with one warning giving the reason."""
     from vgraph_compile.hf import compile_vlm
 
     name = type(model).__name__
     start = time.perf_counter()
+    image_processor = getattr(processor, "image_processor", None)
+    device_before = getattr(image_processor, "device", None)
     try:
         compile_vlm(model, **options)
+        if images_on_device(processor, model.device):
+            log.info("vgraph serve: %s images are resized and normalized on %s", name, model.device)
         warm_up(model, processor)
     except Exception as error:  # any model vgraph cannot serve is served as it is
         _serve_stock(model)
+        if image_processor is not None:
+            image_processor.device = device_before
         log.warning("vgraph serve: %s is served stock: %s", name, error)
         log.debug("vgraph serve: %s", name, exc_info=True)
         return False
