@@ -131,6 +131,24 @@ def test_the_saved_key_follows_the_code_that_shapes_it(tmp_path, path, edit, kep
     assert (artifacts.sources_hash(package) == before) is kept
 
 
+def test_the_sources_digest_is_parsed_once_per_set_of_file_contents(tmp_path, monkeypatch):
+    """The first digest of a package parses its modules and keeps the result under the cache directory; a later
+    process (the function's cache cleared) with the same files reads it back without parsing any module."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    package = _package_copy(tmp_path)
+    artifacts.sources_hash.cache_clear()
+    first = artifacts.sources_hash(package)
+    assert (tmp_path / "cache" / "vgraph_sources.json").exists()
+
+    def no_parse(source):
+        raise AssertionError("a module was parsed again")
+
+    monkeypatch.setattr(artifacts, "_code", no_parse)
+    artifacts.sources_hash.cache_clear()
+    assert artifacts.sources_hash(package) == first
+    artifacts.sources_hash.cache_clear()
+
+
 def test_a_loaded_artifact_keeps_its_size_guards(tmp_path):
     """A later trace that loads the compiled code from its artifact (the build plans gone) knows the compile's size
     guards, as the process that compiled it did: its calls run at their exact sizes under ``exact_size``, equal to

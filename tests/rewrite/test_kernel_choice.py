@@ -10,8 +10,6 @@ from vgraph_compile.rewrite.kernel_choice import (
     fastest_kernel,
     group_kernels,
     group_offsets,
-    load_timings,
-    save_timings,
 )
 
 
@@ -60,18 +58,6 @@ def test_full_call_offsets_are_padded_to_the_bucket_capacity():
     assert group_offsets(GroupShape(100, 100, 3, 2, 8, torch.float16)).tolist() == [0, 100, 100, 100]
     assert group_offsets(GroupShape(100, 40, 4, 2, 8, torch.float16)).tolist() == [0, 40, 80, 100, 100]
     assert group_offsets(GroupShape(120, 40, 2, 2, 8, torch.float16)).tolist() == [0, 40, 80, 120]
-
-
-def test_timings_file_merges_writers_and_is_replaced_whole(tmp_path):
-    """Two processes' timings both survive; no temporary file is left; a corrupt file reads as empty."""
-    path = str(tmp_path / "cache" / "vgraph_kernels.json")
-    assert load_timings(path) == {}
-    save_timings(path, {"rank 0 shape": {"cudnn": 1.0}})
-    save_timings(path, {"rank 1 shape": {"torch_varlen": 2.0}})
-    assert load_timings(path) == {"rank 0 shape": {"cudnn": 1.0}, "rank 1 shape": {"torch_varlen": 2.0}}
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["vgraph_kernels.json"]
-    (tmp_path / "cache" / "vgraph_kernels.json").write_text("{half")
-    assert load_timings(path) == {}
 
 
 def _shape(rows, segment, capacity):

@@ -27,15 +27,13 @@ version, kernels and shape: a second start with the same model and GPU does not 
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from vgraph_compile import json_cache
 from vgraph_compile.kernels import registry
 from vgraph_compile.fx_utils import example_value
 from vgraph_compile.symbolic import evaluate
@@ -134,9 +132,7 @@ def fastest_kernel(key: str, names: list[str], cache: dict, time_ms: Callable[[s
 
 
 def _cache_path() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "vgraph_kernels.json")
+    return json_cache.cache_path("vgraph_kernels.json")
 
 
 def _group_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, dict[int, GroupShape]]:
@@ -264,7 +260,7 @@ def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]
     if ctx.config.attention_backend != "auto" or ctx.device.type != "cuda" or not ctx.buckets:
         return {}
     path = _cache_path()
-    cache = load_timings(path)
+    cache = json_cache.load(path)
     sites = collections.Counter(site.group for site in ctx.spec.sites)
     chosen = {}
     for group, by_rows in _group_shapes(gm, ctx).items():
@@ -282,29 +278,5 @@ def choose_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[int, str]
         if kernels is not None:
             chosen[group] = kernels
             log.info("attention group %d: %s", group, kernels)
-    save_timings(path, cache)
+    json_cache.merge(path, cache)
     return chosen
-
-
-def load_timings(path: str) -> dict:
-    """The cached kernel timings (empty when the file is missing or unreadable)."""
-    try:
-        with open(path) as file:
-            return json.load(file)
-    except (OSError, ValueError):
-        return {}
-
-
-def save_timings(path: str, timings: dict) -> None:
-    """Merge ``timings`` into the file, replaced atomically: processes starting together (one per rank) neither
-    read a half-written file nor drop each other's entries, except a key both timed (the last write wins)."""
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        merged = {**load_timings(path), **timings}
-        handle, scratch = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(handle, "w") as file:
-            json.dump(merged, file, indent=1)
-        os.replace(scratch, path)
-    except OSError as failure:
-        log.info("kernel timings not cached: %s", failure)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from typing import Callable
 
 import torch
 
+from vgraph_compile import json_cache
 from vgraph_compile.compile.buckets import Bucket
-from vgraph_compile.rewrite.kernel_choice import load_timings, save_timings
 from vgraph_compile.serve import fills
 from vgraph_compile.spec import Role, VarlenSpec
 from vgraph_compile.symbolic import evaluate
@@ -190,14 +189,12 @@ def measure_padding_costs(
 
 
 def _padding_costs_path() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "vgraph_padding_costs.json")
+    return json_cache.cache_path("vgraph_padding_costs.json")
 
 
 def load_padding_costs(key: str) -> PaddingCosts | None:
     """The padding costs saved under ``key`` (module docstring), or None (never saved, or unreadable)."""
-    saved = load_timings(_padding_costs_path()).get(key)
+    saved = json_cache.load(_padding_costs_path()).get(key)
     try:
         return PaddingCosts(**{name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()})
     except (AttributeError, TypeError):
@@ -206,7 +203,7 @@ def load_padding_costs(key: str) -> PaddingCosts | None:
 
 def save_padding_costs(key: str, costs: PaddingCosts) -> None:
     """Save ``costs`` under ``key`` (merged into the file, replaced atomically)."""
-    save_timings(_padding_costs_path(), {key: dataclasses.asdict(costs)})
+    json_cache.merge(_padding_costs_path(), {key: dataclasses.asdict(costs)})
 
 
 def _random_tokens(bucket: Bucket, roles: dict[int, Role], generator: torch.Generator) -> None:
