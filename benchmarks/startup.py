@@ -23,8 +23,9 @@ Per N the report gives each process's record and ``max_to_first_call_s`` (the sl
 process alone (``slowdown_vs_one``). With one process (N = 1) each start also reports peak memory (allocated and
 reserved), the weights, the graph pool, host time per call (call to return, GPU idle before each) and the median
 time of a whole call (``call_ms``) of 1x224^2 and 1x1344^2 (one and eight tiles). ``--options`` passes vgraph
-options (JSON). With ``--profile``, each warm single process also profiles each case's host path (cProfile over 200
-calls). With ``--memory``, a further warm single process records the allocator's history and reports where its peak
+options (JSON). With ``--profile``, each warm single process also profiles its start (``start_profile``: the 40
+functions with the most time, nested calls included, from ``compile_vision_tower`` to the first call served; its
+times then include the profiler's) and each case's host path (cProfile over 200 calls). With ``--memory``, a further warm single process records the allocator's history and reports where its peak
 went (``bench.memory``), so the timed starts run without the recording.
 
 With ``--interface-only``, each process of a packed tower times only its interface (the ``interface`` phase):
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import json
 import os
 import pstats
@@ -83,6 +85,16 @@ def _profile(fn, calls: int, device: str) -> list[str]:
     return [
         f"{1e6 * own / calls:8.1f} us own, {calls_made / calls:5.1f} calls: {name} ({os.path.basename(path)}:{line})"
         for (path, line, name), (_, calls_made, own, _, _) in rows
+    ]
+
+
+def _cumulative(profile: cProfile.Profile, rows: int = 40) -> list[str]:
+    """The ``rows`` functions with the most time, nested calls included, of a profile taken once (the start)."""
+    stats = pstats.Stats(profile).stats
+    ordered = sorted(stats.items(), key=lambda item: -item[1][3])[:rows]
+    return [
+        f"{cumulative:8.3f} s ({own:6.3f} s own), {calls_made:6d} calls: {name} ({os.path.basename(path)}:{line})"
+        for (path, line, name), (_, calls_made, own, cumulative, _) in ordered
     ]
 
 
@@ -151,14 +163,15 @@ def one_start(
     if tiny:
         options = {**TINY_OPTIONS["tiled" if tower_kind in TILED else "packed"], **options}
     _wait_for_all(*(barrier or (None, 0, 0)))
+    start_profile = cProfile.Profile() if profile else None
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), start_profile or contextlib.nullcontext():
         if tower_kind in TILED:
             tower = compile_vision_tower(model, **options)
         else:
             tower = compile_vision_tower(model, max_items=8, max_frames=16, **options)
         tower(*first_case)  # traces (a packed tower on its synthetic image first) or loads, then serves
-    synchronize(device)
+        synchronize(device)
     served = time.perf_counter()
     with torch.inference_mode():
         tower.capture_all()
@@ -185,6 +198,8 @@ def one_start(
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
             "pool_gib": round(pool_bytes() / GIB, 3),
         }
+    if start_profile is not None:
+        report["start_profile"] = _cumulative(start_profile)
     if not alone:
         return report
     host_ms, call_ms, profiles = {}, {}, {}
