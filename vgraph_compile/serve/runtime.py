@@ -249,19 +249,20 @@ class VGraphRuntime:
 
     def warmup(self) -> bool:
         """Capture every bucket's graph not captured yet, now, holding the lock (calls on other threads wait), and
-        measure what the per-call choices read; returns once every graph is captured. The first valid call does
-        it otherwise, or starts the captures behind it (``VGraphConfig.captures``). True when this call finished
-        the captures."""
-        if self.encoder.captured:
-            return False
-        with self._lock:
-            if self.encoder.captured:
-                return False
-            self._on_call_stream()
-            self.encoder.warmup(self._prepare_capture, self.agree_buckets)
+        measure what the per-call choices read; returns once every graph is captured and measured (waiting for the
+        captures thread where it is measuring: a caller that times calls after ``warmup()`` never runs beside that
+        measurement). The first valid call does it otherwise, or starts the captures behind it
+        (``VGraphConfig.captures``). True when this call finished the captures."""
+        finished = False
+        if not self.encoder.captured:
+            with self._lock:
+                if not self.encoder.captured:
+                    self._on_call_stream()
+                    self.encoder.warmup(self._prepare_capture, self.agree_buckets)
+                    finished = True
         self._measure_padding()
         self._measure_costs()
-        return True
+        return finished
 
     def _prepare_capture(self, bucket: Bucket) -> None:
         fills.empty_bucket(bucket, self.encoder.roles)
