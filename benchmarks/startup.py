@@ -25,8 +25,9 @@ reserved), the weights, the graph pool, host time per call (call to return, GPU 
 time of a whole call (``call_ms``) of 1x224^2 and 1x1344^2 (one and eight tiles). ``--options`` passes vgraph
 options (JSON). With ``--profile``, each warm single process also profiles its start (``start_profile``: the 40
 functions with the most time, nested calls included, from ``compile_vision_tower`` to the first call served; its
-times then include the profiler's) and each case's host path (cProfile over 200 calls). With ``--memory``, a further warm single process records the allocator's history and reports where its peak
-went (``bench.memory``), so the timed starts run without the recording.
+times then include the profiler's) and each case's host path (cProfile over 200 calls). With ``--memory``, a
+further warm single process records the allocator's history and reports where its peak went (``bench.memory``), so
+the timed starts run without the recording.
 
 With ``--interface-only``, each process of a packed tower times only its interface (the ``interface`` phase):
 the released-size tower is built on the meta device (the probe runs a shrunk tower of the same class and config

@@ -475,8 +475,9 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
 def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch):
     """``captures="behind"``: the first call starts a thread that captures the buckets largest first, one at a time
     holding the runtime's lock (each capture here takes 50 ms and records a CPU replay of the compiled code into
-    static outputs); the call is served meanwhile, before the last capture, by the compiled code, equal to eager; ``warmup()`` finishes what
-    is left and returns with the buckets final; every bucket is captured once, and later calls replay."""
+    static outputs); the call is served meanwhile, before the last capture, by the compiled code, equal to eager;
+    ``warmup()`` finishes what is left and returns with the buckets final; every bucket is captured once, and later
+    calls replay."""
     import threading
     import time
 
@@ -495,7 +496,8 @@ def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch)
                 static.copy_(fresh)
 
     def recording_capture(bucket, compiled, pool, prepare, error_mode):
-        captured.append((bucket.shape.budget, threading.current_thread().name, error_mode, counters.served_before_capture))
+        thread = threading.current_thread().name
+        captured.append((bucket.shape.budget, thread, error_mode, counters.served_before_capture))
         time.sleep(0.05)
         prepare(bucket)
         bucket.graph, bucket.outputs = Recorded(bucket, compiled), compiled(list(bucket.inputs))

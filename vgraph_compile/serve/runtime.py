@@ -27,6 +27,13 @@ is not sent to the stock module to be timed where a timed stock call of no more 
 work grows with the rows) already took longer than the call's cheapest other choice: a tower whose stock code is
 slow pays its timing once, not once per size. ``stats_table()`` counts each choice.
 
+Captures (``VGraphConfig.captures``): by default the first call starts a thread that captures the buckets' graphs
+largest first, one at a time holding the lock, and calls run in the pause between two captures; a call whose
+bucket is not captured yet runs the compiled code at its exact sizes (or on the bucket's buffers, without a graph,
+where a size guard fails there). ``warmup()`` captures what is left itself and returns once every graph is captured
+and the padding costs are measured. Over a process group whose graphs hold collectives, and under sequence
+parallelism, the first call captures every bucket before it is served.
+
 Concurrency: the lock covers fill to copy-out, so callers on several threads never see each other's rows. On
 CUDA the lock is released once the work is queued, not finished. Calls on one stream are ordered by it; a call on
 another stream than the previous call's first waits for everything queued on that stream so far (its copy-out
@@ -107,10 +114,12 @@ class _OneSegment:
 
     work_ms: float | None
 
+
 CAPTURE_GAP_S = 0.002
 """The captures thread's pause between two captures, with the lock released: a call waiting for the lock takes it
 then (a lock released and taken again by the same running thread is seldom handed to a waiting one: on an H200 the
 first call of a warm start waited for all 29 captures)."""
+
 
 PADDED, SPLIT = "padded to the smallest bucket", "split over two buckets"
 EXACT, STOCK = "compiled code at the exact size", "stock module"
@@ -285,15 +294,16 @@ class VGraphRuntime:
             return
         with self._behind_lock:
             if self._behind is None and not self.encoder.captured:
-                self._behind = threading.Thread(target=self._capture_behind, name=f"{self.name}: captures", daemon=True)
+                name = f"{self.name}: captures"
+                self._behind = threading.Thread(target=self._capture_behind, name=name, daemon=True)
                 _CAPTURING.add(self)
                 self._behind.start()
 
     def _capture_behind(self) -> None:
-        """The captures thread: each bucket, largest first, captured holding the lock (calls wait for one
-        capture at most, and run in the pause between two: ``CAPTURE_GAP_S``), then ``warmup`` (nothing left to capture: the buckets are final,
-        the padding costs loaded or timed). A failure is logged; calls keep running without graphs until a
-        ``warmup()`` captures again."""
+        """The captures thread: each bucket, largest first, captured holding the lock (calls wait for one capture
+        at most, and run in the pause between two: ``CAPTURE_GAP_S``), then ``warmup`` (nothing left to capture: the
+        buckets are final, the padding costs loaded or timed). A failure is logged; calls keep running without graphs
+        until a ``warmup()`` captures again."""
         try:
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 for bucket in self.encoder.largest_first():
