@@ -38,7 +38,9 @@ With ``--host-only``, one process per packed tower on its cache directory (which
 from the saved build plan) measures the host time per call alone (1x224^2, 4x336^2, 1x1344^2, 1x1792^2 and a
 448x672 image with an 8-frame 336^2 video; 1x224^2 also queued, 200 calls with no synchronize between them:
 ``host_ms_queued``), plus the host time of a bare ``replay()`` of the bucket that serves each case (``replay_us``),
-and its device time (``device_ms``).
+its device time (``device_ms``), and the host time of the compiled code launched at the call's exact sizes with no
+graph (``exact_host_ms``, 1x224^2 and 1x1344^2: what a call leaving its bucket pays; with ``--profile`` where it
+goes, ``exact_profile``).
 
 Writes ``benchmarks/results/startup_<device>.json`` (``--json`` to choose), after each tower.
 
@@ -297,6 +299,16 @@ def host_only(tower_kind: str, resize: dict, profile: bool = False) -> dict:
             tower(x, grid_thw)
             samples.append((time.perf_counter() - begin) * 1e3)
         report["host_ms_queued"] = {"1x224^2": round(statistics.median(samples), 3)}
+        (runtime,) = tower.runtimes
+        runtime.call_choice = "exact_size"  # the compiled code at the call's sizes, launched with no graph
+        report["exact_host_ms"], report["exact_profile"] = {}, {}
+        for case in ("1x224^2", "1x1344^2"):
+            x, grid_thw = _case_input(model.config, case, device)
+            host_ms_per_call(lambda: tower(x, grid_thw), 3, device)
+            report["exact_host_ms"][case] = round(host_ms_per_call(lambda: tower(x, grid_thw), 20, device), 3)
+            if profile:
+                report["exact_profile"][case] = _profile(lambda: tower(x, grid_thw), 20, device)
+        runtime.call_choice = "smallest_bucket"
     report["counters"] = {name: value for name, value in counters.snapshot().items() if value}
     report["queue"] = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES")
     if device == "cuda":
