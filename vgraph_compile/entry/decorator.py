@@ -110,6 +110,12 @@ class CompiledEncoderFunction:
         """Whether calls skip dynamo now (the first trace is done and its inputs can be read directly)."""
         return self._hot is not None
 
+    def capture_all(self) -> None:
+        """Return once every graph of this encoder's runtimes is captured (by default they are captured behind the
+        first call: ``VGraphConfig.captures``), capturing what is left now; nothing before the first call."""
+        for runtime in self.vgraph.runtimes:
+            runtime.warmup()
+
     def _needs_autograd(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False
