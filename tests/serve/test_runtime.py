@@ -15,7 +15,7 @@ from vgraph_compile.kernels import registry
 from vgraph_compile.kernels.segments import cu_seqlens
 from vgraph_compile.rewrite import kernel_choice
 from vgraph_compile.sample_models.packed_vit import PackedViT, pack_images
-from vgraph_compile.serve.runtime import EXACT, PADDED, SPLIT, STOCK
+from vgraph_compile.serve.runtime import CAPTURE_GAP_S, EXACT, PADDED, SPLIT, STOCK
 
 BUDGETS = (16, 64, 128)
 
@@ -472,12 +472,12 @@ def test_a_bucket_dropped_at_capture_is_never_chosen(model, monkeypatch):
     assert [(bucket.shape.budget, bucket.stats.hits) for bucket in runtime.buckets] == [(64, 2), (128, 0)]
 
 
-def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch):
-    """``captures="behind"``: the first call starts a thread that captures the buckets largest first, one at a time
-    holding the runtime's lock (each capture here takes 50 ms and records a CPU replay of the compiled code into
-    static outputs); the call is served meanwhile, before the last capture, by the compiled code, equal to eager;
-    ``warmup()`` finishes what is left and returns with the buckets final; every bucket is captured once, and later
-    calls replay."""
+@pytest.fixture
+def captures_behind(model, monkeypatch):
+    """An inductor-free encoder of ``model`` whose captures run behind its calls on the CPU: each capture takes
+    50 ms holding the runtime's lock and records a CPU replay of the compiled code into static outputs. Yields the
+    encoder and the captures made, each as (budget, thread name, capture mode, calls served before capture so far,
+    (start, end) time)."""
     import threading
     import time
 
@@ -496,37 +496,80 @@ def test_calls_are_served_while_the_captures_run_behind_them(model, monkeypatch)
                 static.copy_(fresh)
 
     def recording_capture(bucket, compiled, pool, prepare, error_mode):
-        thread = threading.current_thread().name
-        captured.append((bucket.shape.budget, thread, error_mode, counters.served_before_capture))
+        begin, served = time.perf_counter(), counters.served_before_capture
         time.sleep(0.05)
         prepare(bucket)
         bucket.graph, bucket.outputs = Recorded(bucket, compiled), compiled(list(bucket.inputs))
+        captured.append(
+            (bucket.shape.budget, threading.current_thread().name, error_mode, served, (begin, time.perf_counter()))
+        )
         return True
 
     monkeypatch.setattr(bucket_graphs, "capture", recording_capture)
     monkeypatch.setattr(bucket_graphs, "pool_bytes", lambda pool: 0)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
     monkeypatch.setattr("vgraph_compile.serve.runtime.VGraphRuntime._measure_padding", lambda self: None)
-    compiled = vgraph_compile.encoder(
-        model, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket"
+    monkeypatch.setattr("vgraph_compile.pipeline.cudagraphs_wanted", lambda ctx: True)
+    def encode(patches, cu_seqlens, max_seqlen):  # a frame of its own: the module's forward keeps its recompiles
+        return model(patches, cu_seqlens, max_seqlen)
+
+    compiled = vgraph_compile.encoder(  # nothing saved: its build believes it captures graphs
+        encode, token_budgets=BUDGETS, max_segments=6, compiler="eager", call_choice="smallest_bucket", artifact_dir=""
     )
-    with monkeypatch.context() as patch:
-        patch.setattr("vgraph_compile.pipeline.cudagraphs_wanted", lambda ctx: True)
-        inputs = pack_images([3, 4], 12)
-        served_before = counters.served_before_capture
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
-        assert counters.served_before_capture == served_before + 1
-        runtime = compiled.vgraph.runtimes[0]
-        compiled.capture_all()
-        assert runtime.encoder.captured
-        with torch.no_grad(), counters.expect(replays=1):
-            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
-    runtime.stop_captures()
+    yield compiled, captured
+    for runtime in compiled.vgraph.runtimes:
+        runtime.stop_captures()
+
+
+def test_calls_are_served_while_the_captures_run_behind_them(model, captures_behind):
+    """``captures="behind"``: the first call starts a thread that captures the buckets largest first, one at a time
+    holding the runtime's lock and pausing ``CAPTURE_GAP_S`` between two; the call is served meanwhile, after one
+    capture at most, by the compiled code, equal to eager; ``capture_all()`` finishes what is left and returns with
+    the buckets final; every bucket is captured once, and later calls replay."""
+    compiled, captured = captures_behind
+    inputs = pack_images([3, 4], 12)
+    served_before = counters.served_before_capture
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert counters.served_before_capture == served_before + 1
+    compiled.capture_all()
+    runtime = compiled.vgraph.runtimes[0]
+    assert runtime.encoder.captured
+    with torch.no_grad(), counters.expect(replays=1):
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
     assert sorted(budget for budget, *_ in captured) == list(BUDGETS)
-    first_budget, first_thread, first_mode, _ = captured[0]
+    first_budget, first_thread, first_mode, *_ = captured[0]
     assert (first_budget, first_mode) == (BUDGETS[-1], "thread_local") and first_thread.endswith("captures")
-    assert captured[-1][3] == served_before + 1, "the call waited for every capture, not one"
+    assert captured[1][3] == served_before + 1, "the call waited for more than one capture"
+    spans = [span for _, thread, *_, span in captured if thread.endswith("captures")]
+    gaps = [later[0] - earlier[1] for earlier, later in zip(spans, spans[1:])]
+    assert all(gap >= CAPTURE_GAP_S for gap in gaps), f"no pause for waiting calls between captures: {gaps}"
+
+
+def test_threads_calling_while_the_captures_run_get_their_own_rows(model, captures_behind):
+    """Four threads call the encoder while its buckets are captured behind the calls (the exact-size code, the
+    buckets' buffers and the replays, interleaved under the lock): every result equals eager on its own input."""
+    import concurrent.futures
+
+    compiled, captured = captures_behind
+    with torch.no_grad():
+        compiled(*pack_images([5, 6], 12))  # the trace; the captures start
+    served_before = counters.served_before_capture
+
+    def worker(seed):
+        rng = random.Random(seed)
+        worst = 0.0
+        with torch.no_grad():
+            for _ in range(6):
+                inputs = pack_images([rng.randint(1, 40) for _ in range(rng.randint(1, 3))], 12)
+                worst = max(worst, (compiled(*inputs) - model(*inputs)).abs().max().item())
+        return worst
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert max(pool.map(worker, range(4))) < 1e-5
+    assert counters.served_before_capture > served_before, "no thread's call ran while the captures did"
+    compiled.capture_all()
+    assert sorted(budget for budget, *_ in captured) == list(BUDGETS)
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])

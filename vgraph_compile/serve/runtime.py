@@ -773,19 +773,20 @@ class VGraphRuntime:
         counters.served_before_capture += 1
         if self._exact_allowed(bucket, plan):
             return self._run_exact(bucket, args, plan)
-        with self._lock:
-            self._on_call_stream()
-            self._fill(bucket, args, plan, None)
-            return self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
+        return self._replay(bucket, args, plan, counted=False)
 
-    def _replay(self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable = None) -> list[Any]:
+    def _replay(
+        self, bucket: Bucket, args: Sequence[Any], plan: CallPlan, key: Hashable = None, counted: bool = True
+    ) -> list[Any]:
         """Serve one call by ``bucket``: fill (by the staged bytes of ``key``, when given), replay, narrow and copy
-        out, holding the lock. A split call's halves pass no key: their metadata is not the key's."""
+        out, holding the lock. A split call's halves pass no key: their metadata is not the key's. ``counted``: a
+        replay of the bucket (False: its compiled code run on its buffers before its graph is captured)."""
         with self._lock:
             self._on_call_stream()
             self._fill(bucket, args, plan, key)
             results = self._narrow(bucket, bucket.run(self.encoder.compiled), plan)
-            self._count_replay(bucket, plan)
+            if counted:
+                self._count_replay(bucket, plan)
         return results
 
     def _serve_keyed(self, keyed: _KeyedReplay, args: Sequence[Any]) -> list[Any] | None:
