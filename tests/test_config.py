@@ -58,6 +58,7 @@ def test_defaults():
             dict(call_choice="fastest"),
             r"call_choice='fastest' is unknown: use one of \['measured', 'smallest_bucket', 'exact_size', 'stock'\]",
         ),
+        (dict(captures="lazy"), r"captures='lazy' is unknown: use one of \['behind', 'first_call'\]"),
         (dict(window_offsets="cu_windows"), r"window_offsets='cu_windows' is a string: .* \('cu_windows',\)"),
         (dict(token_budgets=[1, 2], static_rows=True), r"static_rows serves one row count: give token_budgets="),
     ],

@@ -162,7 +162,7 @@ class CompiledEncoder:
         """Capture ``bucket``'s graph now, while other threads keep working on the device (CUDA's thread-local
         capture mode), unless it is captured, dropped or the buckets are final."""
         with self._lock:
-            if not self.captured and bucket.graph is None and bucket in self.buckets:
+            if not self.captured and bucket.graph is None and any(other is bucket for other in self.buckets):
                 self._capture(bucket, prepare, "thread_local")
 
     def _capture(self, bucket: Bucket, prepare: Callable[[Bucket], None], error_mode: str) -> None:
